@@ -1,0 +1,1 @@
+"""Pallas kernels, one module per op, each with a plain-jnp reference beside the kernel."""

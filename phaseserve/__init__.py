@@ -1,0 +1,34 @@
+"""phaseserve: a pure-JAX research framework for serving MoE models with phase-specific representations.
+
+Public API (see DESIGN.md):
+
+- ``load_checkpoint(path, dtype)`` -> ``(cfg, params)``; ``init_params(cfg, key, dtype)``
+- ``forward(params, cfg, tokens)`` -> logits
+- config dataclasses: ``ModelConfig``, ``QuantConfig``, ``CacheConfig``, ``MeshConfig``, ``ServeConfig``
+"""
+
+from phaseserve.config import (
+    CacheConfig,
+    ConfigError,
+    MeshConfig,
+    ModelConfig,
+    QuantConfig,
+    SequenceTooLongError,
+    ServeConfig,
+    UnsupportedArchitectureError,
+)
+from phaseserve.model.loader import (
+    CheckpointError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    load_checkpoint,
+)
+from phaseserve.model.params import Params, abstract_params, init_params
+from phaseserve.model.transformer import forward, prefill
+
+__all__ = [
+    "CacheConfig", "CheckpointError", "ConfigError", "MeshConfig", "MissingTensorError", "ModelConfig", "Params",
+    "QuantConfig", "SequenceTooLongError", "ServeConfig", "ShapeMismatchError", "UnexpectedTensorError",
+    "UnsupportedArchitectureError", "abstract_params", "forward", "init_params", "load_checkpoint", "prefill",
+]

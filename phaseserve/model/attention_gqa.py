@@ -1,0 +1,48 @@
+"""Grouped-query attention (Llama, Qwen3 with q/k norm, GLM-4.5 with partial rotary and q/k/v biases).
+
+The cacheable per-token state is K and V: ``k, v [B, T, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from phaseserve.config import ModelConfig
+from phaseserve.model.layers import apply_rope, attention, causal_mask, rms_norm, rope_cos_sin, softmax_scale
+from phaseserve.model.params import GQAParams
+from phaseserve.quant import dense
+
+
+def project_qkv(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    """x [B, T, D], positions i32[B, T] -> q [B, T, H, hd], k, v [B, T, KV, hd] (rotary applied)."""
+    b, t, _ = x.shape
+    q, k, v = dense(x, p.wq), dense(x, p.wk), dense(x, p.wv)
+    if p.bq is not None:
+        q, k, v = q + p.bq.astype(x.dtype), k + p.bk.astype(x.dtype), v + p.bv.astype(x.dtype)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if p.q_norm is not None:
+        q, k = rms_norm(q, p.q_norm, cfg.rms_norm_eps), rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(cfg, positions, x.dtype)
+    return apply_rope(q, cos, sin, cfg.rope.interleave), apply_rope(k, cos, sin, cfg.rope.interleave), v
+
+
+def output(p: GQAParams, x: jax.Array) -> jax.Array:
+    """attn [B, T, H, hd] -> [B, T, D]."""
+    b, t = x.shape[:2]
+    return dense(x.reshape(b, t, -1), p.wo)
+
+
+def forward(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None):
+    """Causal self-attention over the whole sequence. Returns (out [B, T, D], (k, v) to cache)."""
+    q, k, v = project_qkv(p, cfg, x, positions)
+    out = attention(q, k, v, causal_mask(positions, x.shape[1], lengths), softmax_scale(cfg))
+    return output(p, out), (k, v)
+
+
+def decode_queries(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    """One token per row: x [B, D], positions i32[B] -> q [B, H, hd], k, v [B, KV, hd]."""
+    q, k, v = project_qkv(p, cfg, x[:, None], positions[:, None])
+    return q[:, 0], k[:, 0], v[:, 0]
+

@@ -1,0 +1,196 @@
+"""Hugging Face checkpoint loading: ``config.json`` plus single or sharded safetensors, in the hub's own
+tensor naming (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``), into a :class:`Params` pytree.
+
+Every parameter leaf of :func:`abstract_params` names the HF tensor(s) it comes from (routed experts
+are stacked from their per-expert tensors; ``nn.Linear`` weights are transposed to ``[in, out]``). A missing
+tensor, an unexpected one or a shape mismatch raises a :class:`CheckpointError` subclass naming it.
+Tensors of layers beyond ``num_hidden_layers`` (DeepSeek-V3/GLM multi-token-prediction layers) and
+rotary ``inv_freq`` buffers are ignored, as transformers ignores them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from phaseserve.config import ModelConfig, canonical_dtype, to_dtype
+from phaseserve.model.params import ArrayInfo, Params, abstract_params, is_info
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model it claims to be."""
+
+
+class MissingTensorError(CheckpointError):
+    pass
+
+
+class UnexpectedTensorError(CheckpointError):
+    pass
+
+
+class ShapeMismatchError(CheckpointError):
+    pass
+
+
+# our leaf path (after "layers.{i}.") -> HF suffix (after "model.layers.{i}."); "T" marks nn.Linear weights.
+_LAYER_NAMES = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "attn.wq": ("self_attn.q_proj.weight", True),
+    "attn.wk": ("self_attn.k_proj.weight", True),
+    "attn.wv": ("self_attn.v_proj.weight", True),
+    "attn.wo": ("self_attn.o_proj.weight", True),
+    "attn.bq": ("self_attn.q_proj.bias", False),
+    "attn.bk": ("self_attn.k_proj.bias", False),
+    "attn.bv": ("self_attn.v_proj.bias", False),
+    "attn.q_norm": ("self_attn.q_norm.weight", False),
+    "attn.k_norm": ("self_attn.k_norm.weight", False),
+    "attn.wq_a": ("self_attn.q_a_proj.weight", True),
+    "attn.q_a_norm": ("self_attn.q_a_layernorm.weight", False),
+    "attn.wq_b": ("self_attn.q_b_proj.weight", True),
+    "attn.wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", True),
+    "attn.kv_a_norm": ("self_attn.kv_a_layernorm.weight", False),
+    "attn.wkv_b": ("self_attn.kv_b_proj.weight", True),
+    "attn.indexer.wq_b": ("self_attn.indexer.wq_b.weight", True),
+    "attn.indexer.wk": ("self_attn.indexer.wk.weight", True),
+    "attn.indexer.k_norm_w": ("self_attn.indexer.k_norm.weight", False),
+    "attn.indexer.k_norm_b": ("self_attn.indexer.k_norm.bias", False),
+    "attn.indexer.weights_proj": ("self_attn.indexer.weights_proj.weight", True),
+    "mlp.w_gate": ("mlp.gate_proj.weight", True),
+    "mlp.w_up": ("mlp.up_proj.weight", True),
+    "mlp.w_down": ("mlp.down_proj.weight", True),
+    "mlp.router": ("mlp.gate.weight", True),
+    "mlp.correction_bias": ("mlp.gate.e_score_correction_bias", False),
+    "mlp.shared.w_gate": ("mlp.shared_experts.gate_proj.weight", True),
+    "mlp.shared.w_up": ("mlp.shared_experts.up_proj.weight", True),
+    "mlp.shared.w_down": ("mlp.shared_experts.down_proj.weight", True),
+}
+_EXPERT_NAMES = {"mlp.w_gate": "gate_proj", "mlp.w_up": "up_proj", "mlp.w_down": "down_proj"}
+_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False), "final_norm": ("model.norm.weight", False),
+              "lm_head": ("lm_head.weight", True)}
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+
+
+def leaf_path(path) -> str:
+    """A jax key path -> 'layers.3.attn.wq'."""
+    parts = []
+    for k in path:
+        parts.append(str(k.idx) if hasattr(k, "idx") else str(getattr(k, "name", getattr(k, "key", k))))
+    return ".".join(parts)
+
+
+def hf_sources(path: str, info: ArrayInfo) -> tuple[list[str], bool]:
+    """HF tensor names a leaf is built from (several for stacked experts) and whether they are transposed."""
+    if path in _TOP_NAMES:
+        name, t = _TOP_NAMES[path]
+        return [name], t
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
+    if not m:
+        raise KeyError(path)
+    i, rest = m.group(1), m.group(2)
+    if rest in _EXPERT_NAMES and len(info.shape) == 3:
+        return [f"model.layers.{i}.mlp.experts.{e}.{_EXPERT_NAMES[rest]}.weight" for e in range(info.shape[0])], True
+    name, t = _LAYER_NAMES[rest]
+    return [f"model.layers.{i}.{name}"], t
+
+
+class TensorStore:
+    """Lazy access to the tensors of one HF checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {self.dir}")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, "flax") as h:
+                    weight_map.update({k: f.name for k in h.keys()})
+        self.weight_map: dict[str, str] = weight_map
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, name: str):
+        fname = self.weight_map[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(self.dir / fname, "flax")
+        return self._handles[fname]
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        """Host numpy array (bf16 and fp8 via ml_dtypes)."""
+        with jax.default_device(jax.devices("cpu")[0]):
+            return np.asarray(self._handle(name).get_tensor(name))
+
+
+def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
+    hf = json.loads((Path(directory) / "config.json").read_text())
+    return ModelConfig.from_hf_config(hf), hf
+
+
+LeafReader = Callable[[TensorStore, list[str], bool, ArrayInfo], np.ndarray]
+
+
+def read_plain(store: TensorStore, names: list[str], transpose: bool, info: ArrayInfo) -> np.ndarray:
+    """Read (and stack/transpose) a leaf's tensors, checking every shape against ``info``."""
+    expect = info.shape[1:] if len(names) > 1 else info.shape
+    expect_hf = tuple(reversed(expect)) if transpose else expect
+    arrays = []
+    for n in names:
+        got = store.shape(n)
+        if got != expect_hf:
+            raise ShapeMismatchError(f"tensor {n!r} has shape {got}, expected {expect_hf}")
+        a = store.get(n)
+        arrays.append(a.T if transpose else a)
+    return np.stack(arrays) if len(names) > 1 else arrays[0]
+
+
+def load_checkpoint(path: str | Path, dtype: str = "float32", reader: LeafReader = read_plain,
+                    ) -> tuple[ModelConfig, Params]:
+    """Read an HF checkpoint directory into ``(cfg, params)`` with every floating leaf cast to ``dtype``
+    (routers and correction biases stay float32)."""
+    dtype = canonical_dtype(dtype)
+    cfg, _ = read_config(path)
+    store = TensorStore(Path(path))
+    abstract = abstract_params(cfg, dtype)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_info)
+    used: set[str] = set()
+    available = store.names()
+    leaves = []
+    for kp, info in flat:
+        names, transpose = hf_sources(leaf_path(kp), info)
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise MissingTensorError(f"checkpoint {path} lacks tensor {missing[0]!r}"
+                                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        arr = reader(store, names, transpose, info)
+        used.update(names)
+        leaves.append(arr if not isinstance(arr, np.ndarray) else jnp.asarray(arr.astype(to_dtype(info.dtype))))
+    extra = sorted(n for n in available - used if not _ignorable(n, cfg))
+    if extra:
+        raise UnexpectedTensorError(f"checkpoint {path} has unexpected tensor {extra[0]!r}"
+                                    + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    return cfg, jax.tree.unflatten(treedef, leaves)
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    if _IGNORED.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m) and int(m.group(1)) >= cfg.num_layers
