@@ -1,0 +1,73 @@
+"""Tiny random Hugging Face models for parity tests, one builder per architecture variant.
+
+Every parameter (and the router's ``e_score_correction_bias`` buffer) is re-drawn from a seeded generator
+so that no weight sits at its trivial initial value (norms at one, biases at zero).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import transformers as T
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            max_position_embeddings=256, rms_norm_eps=1e-6)
+MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+           q_lora_rank=24, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=2.5)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+VARIANTS = {
+    "llama": lambda: T.LlamaConfig(**BASE, num_key_value_heads=2),
+    "llama_tied_llama3rope": lambda: T.LlamaConfig(
+        **BASE, num_key_value_heads=1, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3_tied": lambda: T.Qwen3Config(**BASE, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "qwen3_moe_norm": lambda: T.Qwen3MoeConfig(**BASE, **MOE, num_key_value_heads=2, head_dim=8, num_experts=8,
+                                               norm_topk_prob=True),
+    "qwen3_moe_nonorm_sparse_step": lambda: T.Qwen3MoeConfig(
+        **BASE, **MOE, num_key_value_heads=4, head_dim=8, num_experts=4, norm_topk_prob=False,
+        decoder_sparse_step=2, mlp_only_layers=[2]),
+    "deepseek_v3_grouped": lambda: T.DeepseekV3Config(**BASE, **MOE, **MLA, n_group=4, topk_group=2),
+    "deepseek_v3_yarn_noqlora": lambda: T.DeepseekV3Config(
+        **{**BASE, "max_position_embeddings": 256}, **MOE, **{**MLA, "q_lora_rank": None, "norm_topk_prob": False},
+        n_group=2, topk_group=1, rope_parameters=YARN),
+    "glm4_moe_partial_bias": lambda: T.Glm4MoeConfig(
+        **BASE, **MOE, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        first_k_dense_replace=1, attention_bias=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "glm4_moe_qknorm": lambda: T.Glm4MoeConfig(
+        **BASE, **MOE, num_key_value_heads=4, head_dim=8, n_routed_experts=4, n_shared_experts=1,
+        first_k_dense_replace=1, use_qk_norm=True, norm_topk_prob=False),
+    "glm_moe_dsa": lambda: T.GlmMoeDsaConfig(**{**BASE, "rms_norm_eps": 1e-5}, **MOE, **MLA, index_head_dim=16,
+                                              index_n_heads=2, index_topk=32),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter and router bias: matrices ~ N(0, 1/fan_in), vectors ~ 1 + N(0, 0.1) or N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def build(variant: str, directory: Path, seed: int = 0) -> T.PreTrainedModel:
+    """Create, randomize and ``save_pretrained`` a tiny model; returns it in float32 eval mode."""
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(VARIANTS[variant]()).float().eval()
+    randomize_(model, seed)
+    model.save_pretrained(directory)
+    return model
