@@ -1,0 +1,170 @@
+"""Fault injection for the paged cache and its integrity layer (tests and experiments), plus a toy decode step.
+
+:class:`FaultInjector` breaks the state the way real bugs would, going around the normal bookkeeping:
+
+==========================  =======================================================================  ==============
+fault                       what it does                                                             caught by
+==========================  =======================================================================  ==============
+``point_at_free_page``      a page-table entry now names a page on the free queue                    tag (free = 0)
+``free_behind``             use-after-free: the allocator frees the request's page, the request      tag (free = 0)
+                            keeps using it (``allocate`` may then hand it to someone else)
+``point_at_other``          an entry names a page owned by another request                          tag mismatch
+``point_out_of_range``      an entry names a page id outside ``[1, num_pages)``                      range check
+``double_allocate``         the allocator hands a page still in use to a second request (fresh tag,  tag mismatch
+                            refcount unchanged: it forgot the first holder)                          (first holder)
+``seed_tag_counter``        start the tag counter next to 2**32 (wraparound)                         must flag none
+``poison``                  write NaN/inf into a page's data or its FP8 scale                        finite guard
+==========================  =======================================================================  ==============
+
+Page-table faults change only the request's *page table* (what the device reads), never its owned record, so
+``PageTables.release`` still frees exactly what the request owns and nothing leaks. ``free_behind`` and
+``double_allocate`` change the allocator behind the request's back; release then skips the pages whose tags no
+longer match (they are not the request's any more) and reports them.
+
+:func:`toy_decode_step` is a miniature decode step over the real paged functions (write the new token, gather,
+attend, per layer) that consumes a tracker exactly as the engine's step does. Tests use it to show that faults
+are caught in the step that would first read them while other rows stay bit-identical, and that a step built
+with the :class:`~phaseserve.cache.integrity.NoopTracker` traces to the same jaxpr as one built without a tracker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from phaseserve.cache.allocator import PageTables
+from phaseserve.cache.paged import MLAPages, PagePool, gather_layer, write_token_layer
+
+
+class FaultInjector:
+    """Corrupts a :class:`PageTables` / :class:`PageAllocator` / :class:`PagePool` on purpose."""
+
+    def __init__(self, tables: PageTables):
+        self.tables = tables
+        self.allocator = tables.allocator
+
+    def _entry(self, rid: str, entry: int) -> tuple[int, int]:
+        s = self.tables._slot(rid)
+        if not 0 <= entry < self.tables.count[s]:
+            raise IndexError(f"request {rid!r} has no page-table entry {entry}")
+        return s, int(self.tables.page_table[s, entry])
+
+    def point_at_free_page(self, rid: str, entry: int, page: int | None = None) -> int:
+        """Entry ``entry`` of ``rid``'s page table -> a free page (default: the tail of the free queue)."""
+        s, _ = self._entry(rid, entry)
+        free = self.allocator.free_pages()
+        page = free[-1] if page is None else page
+        if page not in free:
+            raise ValueError(f"page {page} is not free")
+        self.tables.page_table[s, entry] = page
+        return page
+
+    def free_behind(self, rid: str, entry: int) -> int:
+        """Use-after-free: free ``rid``'s page at ``entry`` in the allocator while ``rid`` keeps it in its table."""
+        _, page = self._entry(rid, entry)
+        if self.allocator.refcount[page] != 1:
+            raise ValueError(f"page {page} is shared (refcount {self.allocator.refcount[page]}); pick another entry")
+        self.allocator.free([page])
+        return page
+
+    def point_at_other(self, rid: str, entry: int, other: str, other_entry: int = 0) -> int:
+        """Entry ``entry`` of ``rid``'s page table -> the page ``other`` holds at ``other_entry``."""
+        s, _ = self._entry(rid, entry)
+        _, page = self._entry(other, other_entry)
+        self.tables.page_table[s, entry] = page
+        return page
+
+    def point_out_of_range(self, rid: str, entry: int, page: int | None = None) -> int:
+        """Entry ``entry`` of ``rid``'s page table -> an id outside ``[1, num_pages)`` (default ``num_pages``)."""
+        s, _ = self._entry(rid, entry)
+        page = self.allocator.num_pages if page is None else page
+        if 0 < page < self.allocator.num_pages:
+            raise ValueError(f"page {page} is in range")
+        self.tables.page_table[s, entry] = page
+        return page
+
+    def double_allocate(self, victim: str, entry: int, thief: str) -> int:
+        """The page ``victim`` holds at ``entry`` is handed to ``thief`` too, as a buggy allocator would."""
+        _, page = self._entry(victim, entry)
+        a = self.allocator
+        if a.refcount[page] != 1:
+            raise ValueError(f"page {page} is shared (refcount {a.refcount[page]}); pick another entry")
+        a._set_tag(page, a._fresh_tag())  # reissued as if free: new tag, the allocator forgot the victim
+        self.tables._append(self.tables._slot(thief), [page])
+        return page
+
+    def seed_tag_counter(self, next_tag: int) -> None:
+        """Make the allocator's next tag ``next_tag`` (e.g. ``2**32 - 3`` to cross wraparound soon)."""
+        self.allocator.seed_tag_counter(next_tag)
+
+    @staticmethod
+    def poison(pool: PagePool, layer: int, page: int, slot: int, *, target: str = "data",
+               value: float = float("nan")) -> PagePool:
+        """Write ``value`` into element 0 of (page, slot)'s data in ``layer`` (``target="data"``; GQA: K) or its
+        scale (``target="scale"``, FP8 pools only). FP8 data has no inf: inf becomes NaN, as in the hardware cast."""
+        lay = pool.layers[layer]
+        mla = isinstance(lay, MLAPages)
+        if target == "data":
+            arr = lay.latent if mla else lay.k
+            idx = (page, slot, 0) if mla else (page, slot, 0, 0)
+            new = arr.at[idx].set(jnp.asarray(value, jnp.float32).astype(arr.dtype))
+            lay = lay.replace(latent=new) if mla else lay.replace(k=new)
+        elif target == "scale":
+            arr = lay.scale if mla else lay.k_scale
+            if arr is None:
+                raise ValueError(f"a {pool.kv_dtype} pool has no scales")
+            new = arr.at[(page, slot) if mla else (page, slot, 0)].set(value)
+            lay = lay.replace(scale=new) if mla else lay.replace(k_scale=new)
+        else:
+            raise ValueError(f"target must be 'data' or 'scale', got {target!r}")
+        layers = list(pool.layers)
+        layers[layer] = lay
+        return pool.replace(layers=tuple(layers))
+
+
+# ---- a toy decode step ------------------------------------------------------------------------------------
+def _attend(q: jax.Array, kv: Any, valid: jax.Array) -> jax.Array:
+    """Masked softmax attention over dense gathered KV. valid bool[B, T]. GQA: q [B, H, hd], kv (k, v)
+    [B, T, KV, hd] -> [B, H, hd]. MLA: q [B, H, W], latent [B, T, W] -> [B, H, W] (latent as keys and values).
+    Masks values with ``where`` too: past-length slots may hold stale bytes of a previous owner."""
+    if isinstance(kv, tuple):
+        k, v = kv
+        b, h, d = q.shape
+        g = h // k.shape[2]
+        s = jnp.einsum("bkgd,btkd->bkgt", q.reshape(b, -1, g, d), k) / np.sqrt(d)
+        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        v = jnp.where(valid[:, :, None, None], v, 0.0)
+        return jnp.einsum("bkgt,btkd->bkgd", jax.nn.softmax(s, axis=-1), v).reshape(b, h, d)
+    s = jnp.einsum("bhw,btw->bht", q, kv) / np.sqrt(q.shape[-1])
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    lat = jnp.where(valid[:, :, None], kv, 0.0)
+    return jnp.einsum("bht,btw->bhw", jax.nn.softmax(s, axis=-1), lat)
+
+
+def toy_decode_step(pool: PagePool, q: list[jax.Array], new_kv: list[Any], page_table: jax.Array,
+                    lengths: jax.Array, row_mask: jax.Array, ok: jax.Array | None, *, tracker=None):
+    """One decode step without a model: per layer, write the new token at position ``lengths``, then attend.
+
+    q: per layer [B, H, hd] (GQA) or [B, H, W] (MLA); new_kv: per layer ``(k, v)`` [B, KV, hd] or latent [B, W];
+    page_table i32[B, P]; lengths i32[B] (tokens already cached); row_mask bool[B] (False: padding row);
+    ok bool[B] from the tracker's check (None without a tracker or with the NoopTracker).
+    ``tracker=None`` builds the step with no integrity code at all. Returns (pool, out f32[B, L, H, D], finite).
+    """
+    pt, mask, finite = page_table, row_mask, None
+    if tracker is not None:
+        pt = tracker.mask_table(pt, ok)
+        mask = tracker.mask_rows(mask, ok)
+    t = pt.shape[1] * pool.page_size
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] <= lengths[:, None]
+    layers, outs = [], []
+    for layer, ql, kvl in zip(pool.layers, q, new_kv, strict=True):
+        layer = write_token_layer(layer, kvl, pt, lengths, mask)
+        out = _attend(ql.astype(jnp.float32), gather_layer(layer, pt), valid)
+        if tracker is not None:
+            out, finite = tracker.guard(out, finite)
+        layers.append(layer)
+        outs.append(out)
+    return pool.replace(layers=tuple(layers)), jnp.stack(outs, axis=1), finite
