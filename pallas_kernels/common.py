@@ -1,8 +1,29 @@
-"""Helpers shared by the kernels: backend detection and the ``impl`` / ``interpret`` resolution."""
+"""Helpers shared by the kernels: impl / interpret / target resolution, typed errors, the online-softmax
+update that every attention kernel body runs, the split-K combine, and page dequantization.
+
+``impl``: ``"auto"`` (the Pallas kernel on GPU/TPU, the XLA reference on CPU, and the reference wherever
+the Pallas path refuses a shape), ``"pallas"`` (the kernel, or :class:`UnsupportedShapeError`) or
+``"reference"``. ``interpret=None`` means interpret mode exactly when running on the CPU. ``target``
+picks which kernel body to build: ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Pallas Mosaic TPU); ``None``
+follows the default backend, and on the CPU (interpret mode) it is ``"gpu"``. The lowering check passes
+``target`` explicitly because it exports for TPU and CUDA from a CPU process.
+
+The online-softmax helpers are written with ops that both the Triton and the Mosaic TPU lowerings
+accept (2-D values, keepdims reductions, ``jnp.where`` masks, ``lax.dot_general`` with f32 accumulation).
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+NEG_INF = float("-inf")
+TARGETS = ("gpu", "tpu")
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+
+
+class UnsupportedShapeError(ValueError):
+    """The Pallas path does not support this shape/dtype combination (``impl="auto"`` then uses the reference)."""
 
 
 def backend() -> str:
@@ -22,3 +43,114 @@ def resolve_impl(impl: str) -> str:
 def resolve_interpret(interpret: bool | None) -> bool:
     """``None`` -> interpret mode exactly when running on the CPU."""
     return backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def resolve_target(target: str | None) -> str:
+    """``None`` -> the default backend's kernel ("tpu" on TPU, otherwise "gpu")."""
+    if target is None:
+        return "tpu" if backend() == "tpu" else "gpu"
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS} or None, got {target!r}")
+    return target
+
+
+def dispatch(impl: str, run_pallas, run_reference):
+    """Run ``run_pallas()`` or ``run_reference()`` per ``impl``; ``"auto"`` falls back on a refused shape."""
+    chosen = resolve_impl(impl)
+    if chosen == "reference":
+        return run_reference()
+    if impl == "auto":
+        try:
+            return run_pallas()
+        except UnsupportedShapeError:
+            return run_reference()
+    return run_pallas()
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def compute_dtype(*dtypes) -> jnp.dtype:
+    """Dtype of the MXU/tensor-core operands: float32 if any operand is float32 (exact parity runs), else bf16."""
+    return jnp.dtype(jnp.float32) if any(jnp.dtype(d) == jnp.float32 for d in dtypes) else jnp.dtype(jnp.bfloat16)
+
+
+def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
+    """f32 values of paged KV: ``pages * scales`` broadcast over the trailing feature dim (identity when None).
+
+    pages [..., F] (bf16 / f32 / float8_e4m3fn); scales f32[...] (one per token, or per token per head).
+    """
+    x = pages.astype(jnp.float32)
+    return x if scales is None else x * scales.astype(jnp.float32)[..., None]
+
+
+def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b[N, K]^T -> f32[M, N] (the logits product of decode attention)."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b [K, N] -> f32[M, N]."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(m_prev, l_prev, acc_prev, logits, values, *, p_scale=None, dot_dtype=jnp.float32):
+    """One flash-decoding update over a block of T keys.
+
+    m_prev, l_prev: f32[H, 1] running max / denominator (start at -inf / 0); acc_prev: f32[H, F] running
+    unnormalized output; logits: f32[H, T] with masked keys at -inf; values: [T, F] (masked rows already
+    zeroed); p_scale: optional f32[1, T] multiplied into the probabilities before the value product (the
+    FP8 V scale folded into P; masked keys must carry 0, not NaN). Fully masked blocks are a no-op.
+    """
+    m_cur = jnp.max(logits, axis=1, keepdims=True)
+    m_new = jnp.maximum(m_prev, m_cur)
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # all keys masked so far: avoid (-inf) - (-inf)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(logits - m_safe)
+    l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    if p_scale is not None:
+        p = p * p_scale
+    acc_new = alpha * acc_prev + dot_nn(p.astype(dot_dtype), values.astype(dot_dtype))
+    return m_new, l_new, acc_new
+
+
+def finalize(acc: jax.Array, den: jax.Array) -> jax.Array:
+    """acc f32[..., F] / den f32[..., 1]; rows that saw no key (den == 0) give zeros, not NaN."""
+    return jnp.where(den > 0, acc / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def combine_splits(o: jax.Array, m: jax.Array, den: jax.Array, axis: int) -> jax.Array:
+    """Merge split-K partials (XLA, outside the kernel).
+
+    o f32[..., S, ..., F] unnormalized partial outputs; m, den f32[..., S, ...] their running max and sum,
+    ``axis`` the split axis of ``m``/``den`` (the same axis of ``o``). Empty splits (den == 0) contribute
+    nothing; rows where every split is empty give zeros.
+    """
+    m_max = jnp.max(m, axis=axis, keepdims=True)
+    w = jnp.where(den > 0, jnp.exp(m - jnp.where(m_max == NEG_INF, 0.0, m_max)), 0.0)
+    num = jnp.sum(o * w[..., None], axis=axis)
+    den = jnp.sum(den * w, axis=axis)[..., None]
+    return finalize(num, den)
+
+
+def token_mask_row(start, t: int, length) -> jax.Array:
+    """bool[1, T]: key positions ``start + [0, T)`` that are below ``length``."""
+    return start + jax.lax.broadcasted_iota(jnp.int32, (1, t), 1) < length
+
+
+def token_mask_col(start, t: int, length) -> jax.Array:
+    """bool[T, 1]: the same mask as a column (for zeroing value rows)."""
+    return start + jax.lax.broadcasted_iota(jnp.int32, (t, 1), 0) < length
