@@ -53,7 +53,7 @@ def gqa_tpu(page_size: int, max_pages: int) -> DecodeBlocks:
 
 
 def mla_gpu(batch: int, num_heads: int, page_size: int, max_pages: int) -> DecodeBlocks:
-    block_h = min(16, next_pow2(num_heads)) if num_heads >= 16 else 16
+    block_h = 16  # 16 x kv_lora_rank f32 accumulator per program; more heads -> more programs
     ppb = min(max(1, 32 // page_size), next_pow2(max_pages))
     splits, pps = _split(batch * cdiv(num_heads, block_h), max_pages, ppb, gpu_core_count())
     return DecodeBlocks(ppb, splits, pps, block_h)
