@@ -12,15 +12,49 @@ its first and second halves as two contiguous blocks: ``x_g @ w_g = x_lo @ lo + 
     packed row j:          low nibble = r(j),    high nibble = r(G/2 + j)
 
 Scales are ``[..., K/G, N]`` (f32 or bf16); ``w ~= (nibble - 8) * scale[group]``.
+
+Kernels (``int4_matmul`` dense, ``int4_grouped_matmul`` ragged MoE; ``impl="auto" | "pallas" | "reference"``):
+the wrapper splits the activations once into ``x_lo [M, K/2]`` (the columns that meet low nibbles) and
+``x_hi [M, K/2]``, so a kernel step loads a ``[bk, bn]`` tile of packed bytes, unpacks it with a mask and a
+shift into two tiles, scales them by their group's scale row and runs two 16-bit dots into an f32
+accumulator: ``acc += x_lo[:, kb] @ lo + x_hi[:, kb] @ hi``. Weight bytes are read once per output tile,
+which is what makes W4A16 decode (small M) fast. The same kernel body lowers with Pallas Triton (GPU; grid
+(M tiles, N tiles), loop over K) and Mosaic TPU. The grouped form:
+
+* GPU: one program per (M tile, N tile) loops over the experts whose rows intersect its M tile (row
+  masks; empty experts are skipped), so each output tile is written by exactly one program.
+* TPU: megablox-style visits: a static list of (M tile, expert) pairs, scalar-prefetched, sorted by M
+  tile; consecutive visits of one M tile accumulate into a VMEM accumulator (sequential grid axis).
+
+Shapes the Pallas path refuses (:class:`~pallas_kernels.common.UnsupportedShapeError`; ``impl="auto"``
+falls back to the reference): GPU needs a power-of-two group size and N divisible by 16; TPU needs N
+divisible by 128 (or N <= 512) and K/2 divisible by 8 * G/2 (a K step covers 8 scale rows; bf16 scales are
+converted to f32 in VMEM first), i.e. K % 256 == 0 for G=32 and K % 1024 == 0 for G=128. M is padded
+internally, so any M works.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels import tuning
+from pallas_kernels.common import (
+    UnsupportedShapeError,
+    cdiv,
+    compute_dtype,
+    dispatch,
+    dot_nn,
+    resolve_interpret,
+    resolve_target,
+)
 
 
 @struct.dataclass
@@ -95,12 +129,259 @@ def int4_grouped_matmul_reference(x: jax.Array, w: Int4Weight, group_sizes: jax.
     return out.astype(x.dtype)
 
 
-def int4_matmul(x: jax.Array, w: Int4Weight, *, impl: str = "auto", interpret: bool | None = None) -> jax.Array:
-    """Dense W4A16 matmul. The Pallas kernel is added by the kernels work; until then: the reference."""
-    return int4_matmul_reference(x, w)
+# --------------------------------------------------------------------------------------------- kernels
 
 
-def int4_grouped_matmul(x: jax.Array, w: Int4Weight, group_sizes: jax.Array, *, impl: str = "auto",
-                        interpret: bool | None = None) -> jax.Array:
-    """Grouped (MoE) W4A16 matmul."""
-    return int4_grouped_matmul_reference(x, w, group_sizes)
+def split_activations(x: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (x_lo, x_hi), each [M, K/2]: the columns that multiply low / high nibbles of packed rows."""
+    m, k = x.shape
+    xg = x.reshape(m, k // group_size, 2, group_size // 2)
+    return xg[:, :, 0, :].reshape(m, k // 2), xg[:, :, 1, :].reshape(m, k // 2)
+
+
+def _unpack_scaled(packed, scale, half: int, cdt):
+    """packed u8[bk, bn], scale [bk/half, bn] -> (lo, hi) [bk, bn] in cdt: (nibble - 8) * scale of its group."""
+    bk, bn = packed.shape
+    nsg = bk // half
+    srep = jnp.broadcast_to(scale.astype(jnp.float32)[:, None, :], (nsg, half, bn)).reshape(bk, bn)
+    p = packed.astype(jnp.int32)
+    lo = ((p & 15) - 8).astype(jnp.float32) * srep
+    hi = ((p >> 4) - 8).astype(jnp.float32) * srep
+    return lo.astype(cdt), hi.astype(cdt)
+
+
+def _k_loop(xlo_ref, xhi_ref, w_ref, s_ref, acc, *, bk: int, half: int, cdt, row_mask=None, expert=None):
+    """acc f32[bm, bn] += x[:, all K] @ dequant(w) over K/2 packed rows in steps of bk (dynamic ref slices)."""
+    nsg = bk // half
+    w_at = (lambda sl: w_ref[expert, sl, :]) if expert is not None else (lambda sl: w_ref[sl, :])
+    s_at = (lambda sl: s_ref[expert, sl, :]) if expert is not None else (lambda sl: s_ref[sl, :])
+
+    def body(kk, acc):
+        k0 = pl.multiple_of(kk * bk, bk)
+        lo, hi = _unpack_scaled(w_at(pl.ds(k0, bk)), s_at(pl.ds(pl.multiple_of(kk * nsg, nsg), nsg)), half, cdt)
+        xlo = xlo_ref[:, pl.ds(k0, bk)].astype(cdt)
+        xhi = xhi_ref[:, pl.ds(k0, bk)].astype(cdt)
+        if row_mask is not None:
+            xlo = jnp.where(row_mask, xlo, jnp.zeros_like(xlo))
+            xhi = jnp.where(row_mask, xhi, jnp.zeros_like(xhi))
+        return acc + dot_nn(xlo, lo) + dot_nn(xhi, hi)
+
+    return jax.lax.fori_loop(0, xlo_ref.shape[1] // bk, body, acc)
+
+
+def _f32_scales(s_ref, scratch):
+    """TPU: bf16 scales are copied to an f32 VMEM scratch so that dynamic 8-row slices stay tile-aligned."""
+    if not scratch:
+        return s_ref
+    scratch[0][...] = s_ref[...].astype(jnp.float32)
+    return scratch[0]
+
+
+def _dense_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *scratch, bk, half, cdt):
+    s_ref = _f32_scales(s_ref, scratch)
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    o_ref[...] = _k_loop(xlo_ref, xhi_ref, w_ref, s_ref, acc, bk=bk, half=half, cdt=cdt).astype(o_ref.dtype)
+
+
+def _blocks(target: str, m: int, k: int, n: int, group_size: int) -> tuning.MatmulBlocks:
+    blk = tuning.int4_blocks(target, m, k, n, group_size)
+    if blk is None:
+        raise UnsupportedShapeError(f"INT4 Pallas ({target}) cannot tile M={m} K={k} N={n} group={group_size}; "
+                                    "see the module docstring for the supported shapes")
+    return blk
+
+
+def _compiler_params(target: str, semantics: tuple[str, ...]):
+    if target == "gpu":
+        return pltr.CompilerParams(num_warps=4, num_stages=2)
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=tuning.TPU_VMEM_LIMIT_BYTES)
+
+
+def _scale_scratch(target: str, scale_dtype, shape) -> list:
+    return [pltpu.VMEM(shape, jnp.float32)] if target == "tpu" and scale_dtype != jnp.float32 else []
+
+
+def _dense_forward(x2, w: Int4Weight, target: str, interpret: bool):
+    m, k = x2.shape
+    n = w.packed.shape[-1]
+    blk = _blocks(target, m, k, n, w.group_size)
+    mp = cdiv(m, blk.bm) * blk.bm
+    xlo, xhi = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in split_activations(x2, w.group_size))
+    kh, ng = k // 2, k // w.group_size
+    x_spec = pl.BlockSpec((blk.bm, kh), lambda i, j: (i, 0))
+    out = pl.pallas_call(
+        functools.partial(_dense_kernel, bk=blk.bk, half=w.group_size // 2, cdt=compute_dtype(x2.dtype)),
+        grid=(mp // blk.bm, n // blk.bn),
+        in_specs=[x_spec, x_spec, pl.BlockSpec((kh, blk.bn), lambda i, j: (0, j)),
+                  pl.BlockSpec((ng, blk.bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((blk.bm, blk.bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), x2.dtype),
+        scratch_shapes=_scale_scratch(target, w.scale.dtype, (ng, blk.bn)),
+        compiler_params=_compiler_params(target, ("parallel", "parallel")),
+        interpret=interpret,
+        name=f"int4_matmul_{target}",
+    )(xlo, xhi, w.packed, w.scale)
+    return out[:m]
+
+
+def group_boundaries(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """i32[E] -> (starts, ends) row ranges, clipped to [0, m] (rows past sum(group_sizes) belong to no group)."""
+    ends = jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32)), 0, m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
+
+
+def tile_visits(group_sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Megablox visit list for the TPU grouped kernel, static length cdiv(m, bm) + E.
+
+    Returns (tile, group, valid) i32[V]: the (M tile, expert) pairs with rows in common, in M-tile order,
+    then one invalid visit per M tile that no expert reaches (so it is written as zeros), then invalid
+    padding that repeats the last visit (same block indices: no new DMA, no compute).
+    """
+    starts, ends = group_boundaries(group_sizes, m)
+    num_groups = starts.shape[0]
+    tm = cdiv(m, bm)
+    nonempty = ends > starts
+    first = starts // bm
+    count = jnp.where(nonempty, (ends - 1) // bm - first + 1, 0)
+    cum = jnp.cumsum(count)
+    total = cum[-1]
+    v = jnp.arange(tm + num_groups, dtype=jnp.int32)
+    e = jnp.minimum(jnp.searchsorted(cum, v, side="right"), num_groups - 1).astype(jnp.int32)
+    tile_g = first[e] + v - (cum[e] - count[e])
+    covered = (ends[-1] + bm - 1) // bm
+    u = v - total
+    tile = jnp.where(v < total, tile_g, jnp.where(u < tm - covered, covered + u, tm - 1))
+    last_group = jnp.where(total > 0, e[jnp.maximum(total - 1, 0)], 0)
+    group = jnp.where(v < total, e, last_group)
+    return tile.astype(jnp.int32), group.astype(jnp.int32), (v < total).astype(jnp.int32)
+
+
+def _grouped_gpu_kernel(st_ref, en_ref, lo_ref, hi_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, bk, half, cdt):
+    bm = o_ref.shape[0]
+    rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+
+    def expert(e, acc):
+        start, end = st_ref[e], en_ref[e]
+        mask = (rows >= start) & (rows < end)
+        return jax.lax.cond(end > start, lambda a: _k_loop(xlo_ref, xhi_ref, w_ref, s_ref, a, bk=bk, half=half,
+                                                            cdt=cdt, row_mask=mask, expert=e), lambda a: a, acc)
+
+    acc = jax.lax.fori_loop(lo_ref[0], hi_ref[0], expert, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _grouped_tpu_kernel(tile_ref, grp_ref, valid_ref, st_ref, en_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, acc_ref,
+                        *scratch, bk, half, cdt):
+    v, nv = pl.program_id(1), pl.num_programs(1)
+    tile, e = tile_ref[v], grp_ref[v]
+    bm = o_ref.shape[0]
+
+    @pl.when((v == 0) | (tile != tile_ref[jnp.maximum(v - 1, 0)]))
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(valid_ref[v] == 1)
+    def _accumulate():
+        rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        mask = (rows >= st_ref[e]) & (rows < en_ref[e])
+        acc_ref[...] = _k_loop(xlo_ref, xhi_ref, w_ref, _f32_scales(s_ref, scratch), acc_ref[...], bk=bk, half=half,
+                               cdt=cdt, row_mask=mask)
+
+    @pl.when((v == nv - 1) | (tile != tile_ref[jnp.minimum(v + 1, nv - 1)]))
+    def _write():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _grouped_forward(x, w: Int4Weight, group_sizes, target: str, interpret: bool):
+    m, k = x.shape
+    num_groups, kh, n = w.packed.shape
+    ng = k // w.group_size
+    blk = _blocks(target, m, k, n, w.group_size)
+    bm, bn = blk.bm, blk.bn
+    mp = cdiv(m, bm) * bm
+    tm = mp // bm
+    xlo, xhi = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in split_activations(x, w.group_size))
+    starts, ends = group_boundaries(group_sizes, m)
+    kw = dict(bk=blk.bk, half=w.group_size // 2, cdt=compute_dtype(x.dtype))
+    if target == "gpu":
+        t0 = jnp.arange(tm, dtype=jnp.int32) * bm
+        lo = jnp.searchsorted(ends, t0, side="right").astype(jnp.int32)
+        hi = jnp.searchsorted(starts, jnp.minimum(t0 + bm, m), side="left").astype(jnp.int32)
+        meta = pl.BlockSpec((num_groups,), lambda i, j: (0,))
+        tile1 = pl.BlockSpec((1,), lambda i, j: (i,))
+        x_spec = pl.BlockSpec((bm, kh), lambda i, j: (i, 0))
+        out = pl.pallas_call(
+            functools.partial(_grouped_gpu_kernel, **kw),
+            grid=(tm, n // bn),
+            in_specs=[meta, meta, tile1, tile1, x_spec, x_spec,
+                      pl.BlockSpec((num_groups, kh, bn), lambda i, j: (0, 0, j)),
+                      pl.BlockSpec((num_groups, ng, bn), lambda i, j: (0, 0, j))],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+            out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+            compiler_params=_compiler_params(target, ()),
+            interpret=interpret,
+            name="int4_grouped_matmul_gpu",
+        )(starts, ends, lo, hi, xlo, xhi, w.packed, w.scale)
+        return out[:m]
+    tile, group, valid = tile_visits(group_sizes, mp, bm)
+    x_spec = pl.BlockSpec((bm, kh), lambda j, v, t, g, *_: (t[v], 0))
+    out = pl.pallas_call(
+        functools.partial(_grouped_tpu_kernel, **kw),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(n // bn, tile.shape[0]),
+            in_specs=[x_spec, x_spec,
+                      pl.BlockSpec((None, kh, bn), lambda j, v, t, g, *_: (g[v], 0, j)),
+                      pl.BlockSpec((None, ng, bn), lambda j, v, t, g, *_: (g[v], 0, j))],
+            out_specs=pl.BlockSpec((bm, bn), lambda j, v, t, g, *_: (t[v], j)),
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32), *_scale_scratch(target, w.scale.dtype, (ng, bn))],
+        ),
+        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        compiler_params=_compiler_params(target, ("parallel", "arbitrary")),
+        interpret=interpret,
+        name="int4_grouped_matmul_tpu",
+    )(tile, group, valid, starts, ends, xlo, xhi, w.packed, w.scale)
+    return out[:m]
+
+
+# --------------------------------------------------------------------------------------------- public entry
+
+
+def int4_matmul(
+    x: jax.Array,  # [..., K]
+    w: Int4Weight,  # packed u8[K/2, N]
+    *,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    target: str | None = None,
+) -> jax.Array:  # [..., N] in x's dtype
+    """Dense W4A16 matmul ``x @ dequant(w)`` with f32 accumulation."""
+    if w.packed.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"int4_matmul needs x [..., K] and a 2-D weight [K, N]; got x {x.shape}, w {w.shape}")
+
+    def run_pallas():
+        x2 = x.reshape(-1, x.shape[-1])
+        out = _dense_forward(x2, w, resolve_target(target), resolve_interpret(interpret))
+        return out.reshape(*x.shape[:-1], w.shape[-1])
+
+    return dispatch(impl, run_pallas, lambda: int4_matmul_reference(x, w))
+
+
+def int4_grouped_matmul(
+    x: jax.Array,  # [M, K], rows sorted by expert
+    w: Int4Weight,  # packed u8[E, K/2, N]
+    group_sizes: jax.Array,  # i32[E]
+    *,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    target: str | None = None,
+) -> jax.Array:  # [M, N] in x's dtype; rows past sum(group_sizes) are zero (as lax.ragged_dot)
+    """Grouped (MoE) W4A16 matmul: rows ``[start_e, end_e)`` of x use expert ``e``'s weight."""
+    if x.ndim != 2 or w.packed.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"int4_grouped_matmul needs x [M, K], w [E, K, N], group_sizes [E]; got x {x.shape}, "
+                         f"w {w.shape}, group_sizes {group_sizes.shape}")
+
+    def run_pallas():
+        return _grouped_forward(x, w, group_sizes, resolve_target(target), resolve_interpret(interpret))
+
+    return dispatch(impl, run_pallas, lambda: int4_grouped_matmul_reference(x, w, group_sizes))

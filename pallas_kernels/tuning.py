@@ -76,7 +76,11 @@ def _largest_divisor(n: int, candidates) -> int | None:
 
 
 def int4_blocks(target: str, m: int, k: int, n: int, group_size: int) -> MatmulBlocks | None:
-    """INT4 W4A16 tiles; None when no tiling fits (the caller raises UnsupportedShapeError)."""
+    """INT4 W4A16 tiles; None when no tiling fits (the caller raises UnsupportedShapeError).
+
+    A K step covers whole groups (bk packed rows = bk / (G/2) scale rows); on TPU that scale-row count is a
+    multiple of 8 so the dynamic slice of the (f32, in VMEM) scales stays sublane-tile aligned.
+    """
     half = group_size // 2
     kh = k // 2
     if target == "gpu":
@@ -88,7 +92,7 @@ def int4_blocks(target: str, m: int, k: int, n: int, group_size: int) -> MatmulB
         return MatmulBlocks(bm, bn, bk)
     bm = min(max(8, cdiv(m, 8) * 8), 256)
     bn = _largest_divisor(n, (256, 128)) or (n if n <= 512 else None)
-    bk = _largest_divisor(kh, [c for c in (512, 256, 128) if c % half == 0])
+    bk = _largest_divisor(kh, [c for c in (1024, 512, 256, 128) if c % (8 * half) == 0])
     if bn is None or bk is None or half % 8:
         return None
     return MatmulBlocks(bm, bn, bk)
