@@ -4,6 +4,7 @@ Public API (see DESIGN.md):
 
 - ``load_checkpoint(path, dtype)`` -> ``(cfg, params)``; ``init_params(cfg, key, dtype)``
 - ``forward(params, cfg, tokens)`` -> logits
+- ``Engine(cfg, params, ServeConfig(...)).generate([Request(...)])`` -> ``RequestOutput``s
 - config dataclasses: ``ModelConfig``, ``QuantConfig``, ``CacheConfig``, ``MeshConfig``, ``ServeConfig``
 """
 
@@ -17,6 +18,7 @@ from phaseserve.config import (
     ServeConfig,
     UnsupportedArchitectureError,
 )
+from phaseserve.engine import Engine, Request, RequestError, RequestOutput
 from phaseserve.model.loader import (
     CheckpointError,
     MissingTensorError,
@@ -28,7 +30,7 @@ from phaseserve.model.params import Params, abstract_params, init_params
 from phaseserve.model.transformer import forward, prefill
 
 __all__ = [
-    "CacheConfig", "CheckpointError", "ConfigError", "MeshConfig", "MissingTensorError", "ModelConfig", "Params",
+    "CacheConfig", "CheckpointError", "Engine", "Request", "RequestError", "RequestOutput", "ConfigError", "MeshConfig", "MissingTensorError", "ModelConfig", "Params",
     "QuantConfig", "SequenceTooLongError", "ServeConfig", "ShapeMismatchError", "UnexpectedTensorError",
     "UnsupportedArchitectureError", "abstract_params", "forward", "init_params", "load_checkpoint", "prefill",
 ]

@@ -45,11 +45,13 @@ def _layer_attention(layer: LayerParams, cfg: ModelConfig, x, positions, lengths
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array | None = None,
-            positions: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
-    """Causal pass returning (logits f32[B, T, V], per-layer KV).
+            positions: jax.Array | None = None, logits_at: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
+    """Causal pass returning (logits, per-layer KV).
 
-    tokens i32[B, T] (right-padded), lengths i32[B] (valid tokens per row; None: all), positions i32[B, T].
-    Per-layer KV: ``(k, v)`` each [B, T, KV, hd] for GQA, or the latent [B, T, kv_lora + rope] for MLA.
+    tokens i32[B, T] (right-padded), lengths i32[B] (valid tokens per row; None: all), positions i32[B, T],
+    logits_at i32[B] (None: logits f32[B, T, V] for every position; else f32[B, V] at that index per row, so the
+    lm head runs once per row). Per-layer KV: ``(k, v)`` each [B, T, KV, hd] for GQA, or the latent
+    [B, T, kv_lora + rope] for MLA.
     """
     b, t = tokens.shape
     if positions is None:
@@ -60,6 +62,8 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Ar
         x, kv = _layer_attention(layer, cfg, x, positions, lengths)
         x = ffn(layer, cfg, x)
         kvs.append(kv)
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, cfg, x), kvs
 
 

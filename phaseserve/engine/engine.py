@@ -1,0 +1,302 @@
+"""The serving engine: continuous batching over a prefill worker and a decode worker.
+
+``mode="disaggregated"``: prefill and decode run on disjoint device meshes, each holding its own copy of the
+weights in its own representation (``QuantConfig.prefill_weights`` / ``decode_weights``); the prompt's KV is
+quantized on the prefill mesh and handed to the decode mesh's paged cache. ``mode="colocated"``: the baseline a
+user would run without this design -- one mesh, one weight copy and representation (``decode_weights``) for
+both phases.
+
+One :meth:`Engine.step`::
+
+    schedule (grow / preempt / admit)  ->  prefill admitted  ->  handoff KV into their pages
+        ->  integrity check (separate jitted launch)  ->  decode step for the running batch  ->  host bookkeeping
+
+A bad request ends alone with ``finish_reason="error"`` and a typed error, before anything is allocated; a
+request whose pages fail the integrity check ends ``"aborted"`` with a ``KVIntegrityError`` while every other
+row of the batch goes on unaffected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from phaseserve.cache.allocator import PageAllocator, PageTables
+from phaseserve.cache.integrity import IntegrityTracker, NoopTracker
+from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
+from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype, to_dtype
+from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.handoff import InProcessHandoff, scatter_prompts
+from phaseserve.engine.metrics import RunMetrics
+from phaseserve.engine.prefill import PrefillBatch, prefill_step
+from phaseserve.engine.request import (
+    CancelledError,
+    DuplicateRequestError,
+    InvalidParameterError,
+    Request,
+    RequestError,
+    RequestOutput,
+    validate,
+)
+from phaseserve.engine.scheduler import Scheduler, Sequence
+from phaseserve.model.params import Params
+from phaseserve.quant.policy import phase_policy
+from phaseserve.quant.quantize import quantize_params
+from phaseserve.sharding import make_mesh, pool_shardings, replicated, shard_params, split_devices
+
+
+def bucket(n: int, lo: int = 1) -> int:
+    """Next power of two >= max(n, lo): padded shapes compile a handful of times, not once per size."""
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: Params, serve: ServeConfig | None = None, *,
+                 attn_impl: str = "auto", handoff: Any = None):
+        self.cfg = cfg
+        self.serve = serve = serve or ServeConfig()
+        if serve.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {serve.mode!r}")
+        m, q, c = serve.mesh, serve.quant, serve.cache
+        devices = jax.devices()
+        n_dec = m.decode_tp * m.decode_ep
+        if serve.mode == "disaggregated":
+            pre_devs, dec_devs = split_devices(devices, m.prefill_devices, m.decode_devices, m.prefill_tp, n_dec)
+        else:
+            dec_devs = [devices[i] for i in m.decode_devices] if m.decode_devices else devices[:n_dec]
+            pre_devs = dec_devs
+        self.decode_mesh = make_mesh(dec_devs, tp=m.decode_tp, ep=m.decode_ep)
+        self.prefill_mesh = self.decode_mesh if serve.mode == "colocated" else make_mesh(pre_devs, tp=m.prefill_tp)
+
+        # weights: one copy per phase, each in its own representation
+        self.decode_params = shard_params(cfg, quantize_params(params, phase_policy(q, "decode")), self.decode_mesh)
+        if serve.mode == "colocated":
+            self.prefill_params = self.decode_params
+        else:
+            self.prefill_params = shard_params(cfg, quantize_params(params, phase_policy(q, "prefill")),
+                                               self.prefill_mesh)
+
+        # decode cache
+        self.kv_dtype = canonical_dtype(q.kv_dtype)
+        if c.num_pages is not None:
+            num_pages = c.num_pages
+        elif c.kv_budget_bytes is not None:
+            num_pages = pages_for_budget(cfg, self.kv_dtype, c.page_size, c.kv_budget_bytes)
+        else:
+            raise ValueError("CacheConfig needs num_pages or kv_budget_bytes")
+        if num_pages < 2:
+            raise ValueError(f"the KV budget gives {num_pages} pages; need at least 2 (one is the null page)")
+        self.num_pages = num_pages
+        pool = init_pool(cfg, num_pages, c.page_size, self.kv_dtype)
+        self._pool_sharding = pool_shardings(pool, self.decode_mesh)
+        self.pool = jax.device_put(pool, self._pool_sharding)
+        self.allocator = PageAllocator(num_pages)
+        self.tables = PageTables(self.allocator, c.max_pages_per_seq)
+        self.tracker = (IntegrityTracker(self.allocator, device=replicated(self.decode_mesh)) if c.integrity
+                        else NoopTracker(self.allocator))
+        self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission)
+        self.max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
+        self.handoff = handoff or InProcessHandoff()
+        self.metrics = RunMetrics()
+        self.outputs: dict[str, RequestOutput] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
+        self._compile(attn_impl)
+
+    # ---- compiled steps ------------------------------------------------------------------------------------
+    def _compile(self, attn_impl: str) -> None:
+        cfg, kv_dt = self.cfg, to_dtype(self.kv_dtype)
+        tracker = self.tracker if isinstance(self.tracker, IntegrityTracker) else None
+        dec_rep = replicated(self.decode_mesh)
+        self._prefill = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt))
+        self._decode = jax.jit(
+            lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=tracker, attn_impl=attn_impl),
+            out_shardings=(dec_rep, self._pool_sharding, dec_rep), donate_argnums=(1,))
+        self._scatter = jax.jit(scatter_prompts, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> RequestOutput:
+        """Queue a request; a malformed one is finished with ``finish_reason="error"`` right away."""
+        out = RequestOutput(id=req.id)
+        out.metrics.arrival = time.perf_counter()
+        out.metrics.num_prompt_tokens = len(req.prompt) if isinstance(req.prompt, (list, tuple)) else 0
+        try:
+            if req.id in self._seqs or req.id in self.outputs:
+                raise DuplicateRequestError(f"request id {req.id!r} is already in use")
+            validate(req, self.cfg.vocab_size, self.max_context)
+            if self.scheduler.max_pages_ever(req) > self.num_pages - 1:
+                raise InvalidParameterError(f"request {req.id!r} needs {self.scheduler.max_pages_ever(req)} pages; "
+                                            f"the cache has {self.num_pages - 1}")
+        except RequestError as e:
+            out.finish_reason, out.error = "error", e
+            out.metrics.finished = time.perf_counter()
+            self.metrics.errors += 1
+            return out
+        seq = Sequence(request=req, output=out, tokens=list(req.prompt), num_prompt=len(req.prompt))
+        self.outputs[req.id] = out
+        self._seqs[req.id] = seq
+        self.scheduler.add(seq)
+        return out
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a queued or running request; its pages are released. False if unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "aborted", CancelledError(f"request {request_id!r} was cancelled"))
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def _finish(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
+        seq.output.finish_reason, seq.output.error = reason, error
+        seq.output.metrics.finished = time.perf_counter()
+        self.scheduler.finish(seq)
+        del self._seqs[seq.id]
+        if reason == "aborted" and error is not None and not isinstance(error, CancelledError):
+            self.metrics.aborts += 1
+
+    def _emit(self, seq: Sequence, token: int, events: list) -> None:
+        """Append a generated token, record timing, finish on stop / length."""
+        seq.tokens.append(token)
+        out = seq.output
+        out.tokens.append(token)
+        now = time.perf_counter()
+        if out.metrics.first_token is None:
+            out.metrics.first_token = now
+        out.metrics.num_output_tokens = len(out.tokens)
+        events.append((seq.id, token))
+        req = seq.request
+        if token in req.stop_token_ids or (not req.ignore_eos and token in self.cfg.eos_token_ids):
+            self._finish(seq, "stop")
+        elif len(out.tokens) >= req.max_tokens:
+            self._finish(seq, "length")
+
+    # ---- one engine step -----------------------------------------------------------------------------------
+    def step(self) -> list[tuple[str, int]]:
+        """Run one scheduling round; returns the ``(request_id, token)`` pairs produced."""
+        events: list[tuple[str, int]] = []
+        res = self.scheduler.schedule()
+        for seq in res.preempted:
+            seq.num_prompt = len(seq.tokens) - 1  # recompute: prefill all but the pending token
+            self.metrics.preemptions += 1
+        if res.admitted:
+            self._run_prefill(res.admitted, events)
+        if self.scheduler.running:
+            self._run_decode(events)
+        self.metrics.observe(len(self.scheduler.running), self.allocator.num_used)
+        return events
+
+    def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        groups, cur = [], []
+        for seq in sorted(seqs, key=lambda s: s.num_prompt):
+            if cur and bucket(len(cur) + 1) * bucket(seq.num_prompt, 16) > max(self.serve.max_prefill_tokens,
+                                                                             bucket(seq.num_prompt, 16)):
+                groups.append(cur)
+                cur = []
+            cur.append(seq)
+        return groups + ([cur] if cur else [])
+
+    def _sampling_rows(self, seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
+        temp, top_k, top_p, seeds, steps = (np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
+                                            np.zeros(b, np.uint32), np.zeros(b, np.int32))
+        for i, s in enumerate(seqs):
+            r = s.request
+            temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
+        return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
+
+    def _run_prefill(self, admitted: list[Sequence], events: list) -> None:
+        t0 = time.perf_counter()
+        ps_ = self.serve.cache.page_size
+        for group in self._prefill_groups(admitted):
+            b, t = bucket(len(group)), bucket(max(s.num_prompt for s in group), 16)
+            tokens = np.zeros((b, t), np.int32)
+            lengths = np.zeros(b, np.int32)
+            for i, s in enumerate(group):
+                tokens[i, : s.num_prompt] = s.tokens[: s.num_prompt]
+                lengths[i] = s.num_prompt
+            batch = PrefillBatch(tokens=tokens, lengths=lengths, **self._sampling_rows(group, b))
+            first, kvq = self._prefill(self.prefill_params, batch)
+            kvq = self.handoff.transfer(kvq, replicated(self.decode_mesh))
+            pt, _, _ = self.tables.batch([s.id for s in group], pad_to=b)
+            start = np.zeros(b, np.int32)
+            start[: len(group)] = [s.shared_pages * ps_ for s in group]
+            self.pool = self._scatter(self.pool, kvq, pt, lengths, start)
+            first = np.asarray(first)
+            self.metrics.prefill_batches += 1
+            self.metrics.prefill_tokens += int(lengths.sum())
+            for i, s in enumerate(group):
+                self.scheduler.register_prefix(s)
+                if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
+                    self._emit(s, int(first[i]), events)
+        self.metrics.prefill_time += time.perf_counter() - t0
+
+    def _run_decode(self, events: list) -> None:
+        t0 = time.perf_counter()
+        rows = list(self.scheduler.running)
+        b = bucket(len(rows))
+        ids = [s.id for s in rows]
+        for hook in self.fault_hooks:
+            hook(self, rows)
+        pt, expected, live = self.tables.batch(ids, pad_to=b)
+        tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
+        for i, s in enumerate(rows):
+            tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
+        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active,
+                            **self._sampling_rows(rows, b))
+        t1 = time.perf_counter()
+        ok = self.tracker.check(pt, expected, live)
+        nxt, self.pool, finite = self._decode(self.decode_params, self.pool, batch, ok)
+        nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
+        t2 = time.perf_counter()
+        if ok is not None:
+            self.metrics.integrity_checks += len(rows)
+        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
+        scrub = []
+        for i, s in enumerate(rows):
+            err = failures.get(s.id)
+            if err is not None:
+                if getattr(err, "kind", "") == "nonfinite":
+                    scrub += self.tables.owned(s.id)
+                self._finish(s, "aborted", err)
+            else:
+                self._emit(s, int(nxt[i]), events)
+        if scrub:
+            self.pool = self._clear(self.pool, jnp.asarray(scrub, jnp.int32))
+        self.metrics.decode_steps += 1
+        self.metrics.decode_tokens += len(rows) - len(failures)
+        self.metrics.decode_time += t2 - t1
+        self.metrics.host_time += (t1 - t0) + (time.perf_counter() - t2)
+
+    # ---- drivers -------------------------------------------------------------------------------------------
+    def stream(self, requests: list[Request]) -> Iterator[tuple[str, int]]:
+        """Submit ``requests`` and yield ``(request_id, token)`` as tokens are produced, until all finish."""
+        for r in requests:
+            self.add_request(r)
+        self.metrics.start = time.perf_counter()
+        while self.has_work:
+            yield from self.step()
+        self.metrics.end = time.perf_counter()
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Run ``requests`` to completion; outputs in input order (a duplicate id gets its own error output)."""
+        outs = [self.add_request(r) for r in requests]
+        self.metrics.start = time.perf_counter()
+        while self.has_work:
+            self.step()
+        self.metrics.end = time.perf_counter()
+        return outs
+
+    def summary(self) -> dict:
+        return self.metrics.summary(list(self.outputs.values()))
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

@@ -1,0 +1,78 @@
+"""Prefill -> decode KV handoff.
+
+The prefill step hands over each prompt's KV already quantized to the decode cache's storage dtype
+(``prefill.quantize_layer_kv``). A :class:`Handoff` moves it to the decode devices; the decode side then
+scatters it, without re-quantizing, into the pages the decode allocator gave the request (positions below a
+shared prefix are skipped: those pages already hold the same KV). One interface, so a transfer between
+processes (``jax.experimental.transfer``) can replace the in-process ``device_put`` without touching the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from phaseserve.cache.paged import GQAPages, MLAPages, PagePool, slot_indices
+
+
+class Handoff(Protocol):
+    bytes_moved: int
+
+    def transfer(self, kvq: list, dst: jax.sharding.Sharding) -> list: ...
+
+
+class InProcessHandoff:
+    """Same-process handoff: a cross-mesh ``jax.device_put`` (a no-op when both phases share devices)."""
+
+    def __init__(self) -> None:
+        self.bytes_moved = 0
+
+    def transfer(self, kvq: list, dst: jax.sharding.Sharding) -> list:
+        self.bytes_moved += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))
+        return jax.device_put(kvq, dst)
+
+
+def write_prequantized(layer: GQAPages | MLAPages, parts: list, page_table: jax.Array, positions: jax.Array,
+                       valid: jax.Array) -> GQAPages | MLAPages:
+    """Scatter already-quantized tokens into one layer's pages (no re-quantization).
+
+    parts: ``[(values, scale | None)]`` -- MLA one pair [B, T, W] / [B, T]; GQA two pairs (K, V) [B, T, KV, hd] /
+    [B, T, KV]; page_table i32[B, P]; positions i32[B, T]; valid bool[B, T].
+    """
+    data0 = layer.latent if isinstance(layer, MLAPages) else layer.k
+    n, s = data0.shape[:2]
+    flat = slot_indices(page_table, positions, valid, n, s).reshape(-1)
+
+    def put(dst: jax.Array | None, x: jax.Array | None) -> jax.Array | None:
+        if dst is None:
+            return None
+        tail = dst.shape[2:]
+        return dst.reshape(n * s, *tail).at[flat].set(x.reshape(-1, *tail).astype(dst.dtype), mode="drop"
+                                                     ).reshape(dst.shape)
+
+    if isinstance(layer, MLAPages):
+        (lat, sc), = parts
+        return layer.replace(latent=put(layer.latent, lat), scale=put(layer.scale, sc))
+    (k, ks), (v, vs) = parts
+    return layer.replace(k=put(layer.k, k), v=put(layer.v, v), k_scale=put(layer.k_scale, ks),
+                         v_scale=put(layer.v_scale, vs))
+
+
+def scatter_prompts(pool: PagePool, kvq: list, page_table: jax.Array, lengths: jax.Array,
+                    start: jax.Array) -> PagePool:
+    """Write pre-quantized prompt KV into the pages (decode side, jitted with the pool donated).
+
+    kvq: per layer [(values [B, T, ...], scale [B, T, ...] | None)]; page_table i32[B, P]; lengths i32[B];
+    start i32[B] (first position to write: past the shared prefix).
+    """
+    b, t = page_table.shape[0], jax.tree.leaves(kvq[0])[0].shape[1]
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = (pos < lengths[:, None]) & (pos >= start[:, None])
+    return pool.replace(layers=tuple(write_prequantized(layer, parts, page_table, pos, valid)
+                                     for layer, parts in zip(pool.layers, kvq, strict=True)))
+
+
+def kv_nbytes(kvq: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))

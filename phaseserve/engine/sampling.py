@@ -1,0 +1,33 @@
+"""Batched token sampling inside the jitted steps: greedy, temperature, top-k and top-p per row.
+
+Each row carries its own parameters (arrays of shape [B]) and its own PRNG key derived from
+``(request seed, token index)``, so a request's samples do not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
+           steps: jax.Array) -> jax.Array:
+    """logits f32[B, V]; temperature f32[B] (0 = greedy); top_k i32[B] (0 = off); top_p f32[B];
+    seeds u32[B]; steps i32[B] (index of the token being sampled) -> i32[B]."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    v = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    probs_sorted = jax.nn.softmax(jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits), axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    cutoff_idx = jnp.sum(cum < top_p[:, None], axis=-1)
+    cutoff = jnp.take_along_axis(sorted_logits, jnp.minimum(cutoff_idx, v - 1)[:, None], axis=-1)
+    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

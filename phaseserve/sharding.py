@@ -1,0 +1,121 @@
+"""Logical axes -> mesh axes, and the prefill / decode meshes.
+
+A mesh has two axes: ``ep`` (expert parallel) and ``tp`` (tensor parallel). Parameters carry logical axis
+names (``phaseserve.model.params``); :data:`DEFAULT_RULES` maps them to mesh axes with flax's
+``logical_to_mesh_axes``:
+
+=============  ==========  =============================================================
+logical axis   mesh axis   why
+=============  ==========  =============================================================
+q_heads        tp          attention heads split across TP ranks (column / row parallel)
+kv_heads       tp          GQA KV heads (replicated when fewer than TP ranks divide them)
+mlp            tp          dense FFN width
+expert_mlp     tp          expert FFN width
+experts        ep          routed experts split across EP ranks
+kv_lora        (none)      MLA latent replicated across TP ranks, as real deployments do
+everything     (none)      embeddings, norms, routers, q LoRA are replicated
+=============  ==========  =============================================================
+
+An axis whose size does not divide by its mesh axis is replicated instead (tiny test models). Quantized
+weights (INT4 / FP8 pytrees) shard each of their arrays along the same logical axes as the plain weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from phaseserve.config import ModelConfig
+from phaseserve.model.params import logical_axes
+
+DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+    ("q_heads", "tp"),
+    ("kv_heads", "tp"),
+    ("mlp", "tp"),
+    ("expert_mlp", "tp"),
+    ("experts", "ep"),
+    ("vocab", None),
+    ("embed", None),
+    ("kv_lora", None),
+    ("q_lora", None),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+
+def make_mesh(devices: list, tp: int = 1, ep: int = 1) -> Mesh:
+    """A ``(ep, tp)`` mesh over exactly ``tp * ep`` devices."""
+    if len(devices) != tp * ep:
+        raise ValueError(f"mesh of tp={tp} x ep={ep} needs {tp * ep} devices, got {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(ep, tp), ("ep", "tp"))
+
+
+def split_devices(devices: list, prefill: tuple[int, ...] | None, decode: tuple[int, ...] | None,
+                  n_prefill: int, n_decode: int) -> tuple[list, list]:
+    """Disjoint prefill and decode device lists (explicit indices, or the first n_prefill / next n_decode)."""
+    if prefill is not None and decode is not None:
+        pre, dec = [devices[i] for i in prefill], [devices[i] for i in decode]
+    elif len(devices) >= n_prefill + n_decode:
+        pre, dec = devices[:n_prefill], devices[n_prefill:n_prefill + n_decode]
+    elif len(devices) == 1 and n_prefill == n_decode == 1:
+        return devices, devices  # one device: the phases share it (still separate weights and representations)
+    else:
+        raise ValueError(f"need {n_prefill} + {n_decode} devices for disaggregated serving, have {len(devices)}")
+    if set(map(id, pre)) & set(map(id, dec)):
+        raise ValueError("prefill and decode device sets overlap")
+    return pre, dec
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+             rules=DEFAULT_RULES) -> PartitionSpec:
+    """PartitionSpec of one array, dropping mesh axes that do not divide the dimension."""
+    if len(axes) != len(shape):  # a quantized component with a different rank: replicate
+        return PartitionSpec()
+    spec = nn.logical_to_mesh_axes(axes, rules)
+    out = []
+    for dim, ax in zip(shape, spec):
+        size = 1 if ax is None else mesh.shape[ax]
+        out.append(ax if ax is not None and dim % size == 0 and size > 1 else None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(cfg: ModelConfig, params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """NamedShardings for a params tree (plain or quantized leaves) on ``mesh``."""
+    axes = logical_axes(cfg)
+
+    def one(ax: tuple, sub: Any) -> Any:
+        return jax.tree.map(lambda a: NamedSharding(mesh, spec_for(ax, a.shape, mesh, rules)), sub)
+
+    return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def pool_shardings(pool: Any, mesh: Mesh) -> Any:
+    """Decode page pool on ``mesh``: GQA K/V pages ``[N, S, KV, hd]`` (and their per-head scales) split over KV heads
+    along ``tp`` when the heads divide; MLA latent pages replicated (every TP rank reads the whole latent)."""
+    from phaseserve.cache.paged import GQAPages
+
+    tp = mesh.shape["tp"]
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def layer(lp: Any) -> Any:
+        if not isinstance(lp, GQAPages) or lp.k.shape[2] % tp or tp == 1:
+            return jax.tree.map(lambda _: rep, lp)
+        heads = NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
+        scales = NamedSharding(mesh, PartitionSpec(None, None, "tp"))
+        return lp.replace(k=heads, v=heads, k_scale=None if lp.k_scale is None else scales,
+                          v_scale=None if lp.v_scale is None else scales)
+
+    return pool.replace(layers=tuple(layer(lp) for lp in pool.layers))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_params(cfg: ModelConfig, params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """Place a params tree on ``mesh`` according to the rules."""
+    return jax.device_put(params, param_shardings(cfg, params, mesh, rules))
