@@ -1,0 +1,263 @@
+"""Synthetic function-calling data: tool schemas, a JSON Schema validator for the subset they use, a seeded
+generator of (request in words, expected tool call) pairs with a fixed held-out split, and the parser that
+reads a tool call back out of generated tokens.
+
+A tool call is the JSON object ``{"name": <tool>, "arguments": {...}}``; an example is laid out as::
+
+    <bos>What's the weather in Lisbon in celsius?\\n<tool_call>{"name": "get_weather", ...}</tool_call><eos>
+    |--------------------- prompt ----------------|------------------- completion -------------------|
+
+Split: a request belongs to the held-out set when the SHA-1 of its text is 0 mod 10 (about 10% of all
+requests), so a held-out request never occurs in training and the split needs no stored list.
+
+Validator subset (:func:`validate`): ``type`` (object, string, number, integer, boolean), ``properties``,
+``required``, ``additionalProperties: false``, ``enum``, ``minimum`` / ``maximum``, ``minLength`` and
+``pattern`` (``re.fullmatch``). ``jsonschema`` is not a dependency.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phaseserve.data.tokenizer import ByteTokenizer
+
+_EMAIL = r"[a-z][a-z0-9.]*@[a-z]+\.(com|org|net)"
+_CURRENCIES = {"USD": "dollars", "EUR": "euros", "GBP": "pounds", "JPY": "yen", "CHF": "swiss francs",
+               "CAD": "canadian dollars", "INR": "rupees", "CNY": "yuan", "SEK": "swedish kronor", "MXN": "pesos"}
+
+TOOLS: dict[str, dict] = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string", "minLength": 1},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"], "additionalProperties": False},
+    "convert_currency": {"type": "object", "properties": {
+        "amount": {"type": "number", "minimum": 0},
+        "from": {"type": "string", "enum": sorted(_CURRENCIES)},
+        "to": {"type": "string", "enum": sorted(_CURRENCIES)}},
+        "required": ["amount", "from", "to"], "additionalProperties": False},
+    "set_timer": {"type": "object", "properties": {
+        "minutes": {"type": "integer", "minimum": 1, "maximum": 1440}},
+        "required": ["minutes"], "additionalProperties": False},
+    "search_web": {"type": "object", "properties": {
+        "query": {"type": "string", "minLength": 1}},
+        "required": ["query"], "additionalProperties": False},
+    "send_email": {"type": "object", "properties": {
+        "to": {"type": "string", "pattern": _EMAIL},
+        "subject": {"type": "string", "minLength": 1}},
+        "required": ["to", "subject"], "additionalProperties": False},
+}
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "object":
+        return isinstance(value, dict)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "integer":  # JSON Schema: a number with zero fractional part
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    raise ValueError(f"schema type {kind!r} is outside the supported subset")
+
+
+def validate(value: Any, schema: dict, path: str = "$") -> list[str]:
+    """Errors of ``value`` against ``schema`` (the subset in the module docstring); empty when valid."""
+    errors: list[str] = []
+    kind = schema.get("type")
+    if kind is not None and not _type_ok(value, kind):
+        return [f"{path}: expected {kind}, got {type(value).__name__}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            errors.append(f"{path}: {value} < minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            errors.append(f"{path}: {value} > maximum {schema['maximum']}")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            errors.append(f"{path}: shorter than {schema['minLength']}")
+        if "pattern" in schema and not re.fullmatch(schema["pattern"], value):
+            errors.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for key in schema.get("required", []):
+            if key not in value:
+                errors.append(f"{path}: missing required {key!r}")
+        for key, item in value.items():
+            if key in props:
+                errors.extend(validate(item, props[key], f"{path}.{key}"))
+            elif schema.get("additionalProperties", True) is False:
+                errors.append(f"{path}: unexpected property {key!r}")
+    return errors
+
+
+def validate_call(call: Any, tools: dict[str, dict] = TOOLS) -> list[str]:
+    """Errors of a parsed tool call ``{"name": ..., "arguments": {...}}`` against the tool schemas."""
+    if not isinstance(call, dict):
+        return [f"$: a tool call must be an object, got {type(call).__name__}"]
+    extra = sorted(set(call) - {"name", "arguments"})
+    if extra:
+        return [f"$: unexpected keys {extra}"]
+    name = call.get("name")
+    if name not in tools:
+        return [f"$.name: unknown tool {name!r}"]
+    if "arguments" not in call:
+        return ["$: missing 'arguments'"]
+    return validate(call["arguments"], tools[name], "$.arguments")
+
+
+# ---- examples -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolExample:
+    """One request and the call that answers it."""
+
+    request: str
+    call: dict
+
+    @property
+    def call_json(self) -> str:
+        return json.dumps(self.call)
+
+    def prompt_ids(self, tok: ByteTokenizer) -> list[int]:
+        """``<bos>request\\n`` — what the model is given."""
+        return tok.encode(self.request + "\n", bos=True)
+
+    def completion_ids(self, tok: ByteTokenizer) -> list[int]:
+        """``<tool_call>json</tool_call><eos>`` — what it should produce."""
+        return [tok.tool_start_id, *tok.encode(self.call_json), tok.tool_end_id, tok.eos_id]
+
+    def ids(self, tok: ByteTokenizer) -> list[int]:
+        return self.prompt_ids(tok) + self.completion_ids(tok)
+
+
+_CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Lisbon", "Oslo", "Cairo", "Lima", "Seoul",
+           "Sydney", "Toronto", "Chicago", "Boston", "Denver", "Dublin", "Vienna", "Prague", "Warsaw", "Athens",
+           "Nairobi", "Mumbai", "Delhi", "Bangkok", "Jakarta", "Manila", "Hanoi", "Istanbul", "Moscow", "Kyiv",
+           "Helsinki", "Stockholm", "Zurich", "Geneva", "Munich", "Hamburg", "Seattle", "Austin", "Miami",
+           "New York", "San Francisco", "Los Angeles", "Buenos Aires", "Mexico City", "Cape Town", "Hong Kong",
+           "Rio de Janeiro"]
+_WEATHER = ["What's the weather in {city}?", "What is the weather like in {city} in {unit}?",
+            "Tell me the temperature in {city} in {unit}.", "How warm is it in {city} right now?",
+            "Weather forecast for {city}, please.", "Give me the current weather in {city}, in {unit}.",
+            "Is it raining in {city}?", "Check the weather for {city} using {unit}."]
+_CONVERT = ["Convert {amount} {from_name} to {to_name}.", "How much is {amount} {from_code} in {to_code}?",
+            "Change {amount} {from_name} into {to_name}, please.", "What are {amount} {from_code} worth in {to_name}?",
+            "Exchange {amount} {from_code} to {to_code}."]
+_TIMER = ["Set a timer for {m} minutes.", "Start a {m} minute timer.", "Remind me in {m} minutes.",
+          "Timer: {m} minutes, please.", "Can you set a {m}-minute timer?"]
+_SEARCH = ["Search the web for {q}.", "Look up {q} online.", "Find information about {q}.", "Can you google {q}?",
+           "Search for {q}, please."]
+_EMAIL_T = ["Send an email to {to} with the subject {s}.", "Email {to} about {s}.",
+            "Write to {to} with subject \"{s}\".", "Send {to} a message titled {s}."]
+_TOPICS = ["python decorators", "the history of Rome", "jax sharding", "mixture of experts models", "sourdough bread",
+           "cheap flights to Oslo", "the best hiking trails", "how rainbows form", "quantum computing basics",
+           "electric cars", "the tallest mountains", "vegan pasta recipes", "learning the guitar",
+           "black holes", "the stock market today", "chess openings", "tomato plant care", "solar panels",
+           "the French revolution", "marathon training plans", "coffee brewing methods", "ancient Egypt",
+           "rust ownership rules", "paged attention", "bird migration", "the Olympic games"]
+_NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "mallory", "oscar",
+          "peggy", "trent", "victor", "wendy", "li.wei", "sam.jones", "maria.garcia", "ken.tanaka"]
+_DOMAINS = ["example.com", "mail.org", "work.net", "school.org"]
+_SUBJECTS = ["the quarterly report", "lunch on Friday", "the project deadline", "holiday plans", "the budget",
+             "tomorrow's meeting", "the new design", "a birthday party", "the server outage", "weekend hiking",
+             "the contract draft", "team offsite", "book club", "invoice 42", "the launch date"]
+
+
+def _amount(rng: random.Random) -> int | float:
+    r = rng.random()
+    if r < 0.5:
+        return rng.choice([5, 10, 20, 25, 50, 75, 100, 150, 200, 250, 500, 1000, 2500])
+    if r < 0.8:
+        return rng.randint(1, 999)
+    return round(rng.randint(100, 99999) / 100, 2)
+
+
+def sample_example(rng: random.Random) -> ToolExample:
+    """One random request (uniform over the five tools)."""
+    tool = rng.choice(sorted(TOOLS))
+    if tool == "get_weather":
+        city, unit = rng.choice(_CITIES), rng.choice(["celsius", "fahrenheit"])
+        text = rng.choice(_WEATHER)
+        args = {"city": city, "unit": unit} if "{unit}" in text else {"city": city}
+        return ToolExample(text.format(city=city, unit=unit), {"name": tool, "arguments": args})
+    if tool == "convert_currency":
+        src, dst = rng.sample(sorted(_CURRENCIES), 2)
+        amount = _amount(rng)
+        text = rng.choice(_CONVERT).format(amount=json.dumps(amount), from_name=_CURRENCIES[src],
+                                           to_name=_CURRENCIES[dst], from_code=src, to_code=dst)
+        return ToolExample(text, {"name": tool, "arguments": {"amount": amount, "from": src, "to": dst}})
+    if tool == "set_timer":
+        m = rng.choice([rng.randint(1, 60), rng.randint(1, 180), rng.choice([90, 120, 240, 480, 720])])
+        return ToolExample(rng.choice(_TIMER).format(m=m), {"name": tool, "arguments": {"minutes": m}})
+    if tool == "search_web":
+        q = rng.choice(_TOPICS)
+        return ToolExample(rng.choice(_SEARCH).format(q=q), {"name": tool, "arguments": {"query": q}})
+    to = f"{rng.choice(_NAMES)}@{rng.choice(_DOMAINS)}"
+    s = rng.choice(_SUBJECTS)
+    return ToolExample(rng.choice(_EMAIL_T).format(to=to, s=s), {"name": tool, "arguments": {"to": to, "subject": s}})
+
+
+def split_of(request: str) -> str:
+    """``"heldout"`` for about 10% of requests (by SHA-1 of the text), else ``"train"``."""
+    return "heldout" if int(hashlib.sha1(request.encode()).hexdigest(), 16) % 10 == 0 else "train"
+
+
+def iter_examples(split: str, seed: int) -> Iterator[ToolExample]:
+    """Endless seeded stream of the examples of one split (``"train"`` or ``"heldout"``)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    rng = random.Random(seed)
+    while True:
+        ex = sample_example(rng)
+        if split_of(ex.request) == split:
+            yield ex
+
+
+def examples(n: int, split: str = "heldout", seed: int = 0, unique: bool = True) -> list[ToolExample]:
+    """The first ``n`` examples of a split's stream (distinct requests when ``unique``)."""
+    out: list[ToolExample] = []
+    seen: set[str] = set()
+    for ex in iter_examples(split, seed):
+        if unique and ex.request in seen:
+            continue
+        seen.add(ex.request)
+        out.append(ex)
+        if len(out) == n:
+            return out
+    raise AssertionError("unreachable")
+
+
+# ---- reading calls back out of generated tokens -------------------------------------------------------
+def extract_call(ids: Sequence[int], tok: ByteTokenizer) -> str | None:
+    """The text between the first ``<tool_call>`` and the next ``</tool_call>`` (or ``<eos>`` / the end) of a
+    generation; None when it contains no ``<tool_call>``."""
+    ids = [int(t) for t in ids]
+    if tok.tool_start_id not in ids:
+        return None
+    body = ids[ids.index(tok.tool_start_id) + 1:]
+    for stop in (tok.tool_end_id, tok.eos_id):
+        if stop in body:
+            body = body[: body.index(stop)]
+    return tok.decode(body, skip_special=True)
+
+
+def parse_call(ids: Sequence[int], tok: ByteTokenizer) -> tuple[dict | None, list[str]]:
+    """(parsed call or None, errors): errors is empty exactly when the generation holds a schema-valid call."""
+    text = extract_call(ids, tok)
+    if text is None:
+        return None, ["no <tool_call> in the generation"]
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, [f"not JSON: {e}"]
+    return call, validate_call(call)

@@ -1,0 +1,29 @@
+"""Quality evaluation: metrics on logits and generations, and generation-based evaluation (held-out
+perplexity, tool-call validity and exact match, greedy agreement) against a pluggable ``generate_fn``."""
+
+from phaseserve.eval.generation import (
+    GenerateFn,
+    ToolCallReport,
+    engine_generate_fn,
+    evaluate_tool_calls,
+    generation_agreement,
+    greedy_generate_fn,
+    heldout_perplexity,
+    score_tool_calls,
+)
+from phaseserve.eval.metrics import (
+    first_divergence,
+    kl_divergence,
+    mean_nll,
+    perplexity,
+    sequence_match_rate,
+    token_match_rate,
+    token_nll,
+    top1_agreement,
+)
+
+__all__ = [
+    "GenerateFn", "ToolCallReport", "engine_generate_fn", "evaluate_tool_calls", "first_divergence",
+    "generation_agreement", "greedy_generate_fn", "heldout_perplexity", "kl_divergence", "mean_nll", "perplexity",
+    "score_tool_calls", "sequence_match_rate", "token_match_rate", "token_nll", "top1_agreement",
+]

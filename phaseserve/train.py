@@ -1,0 +1,391 @@
+"""Training the default model: a small DeepSeek-V3-architecture model (MLA attention, sigmoid-routed MoE with a
+shared expert and a dense first layer) on the byte-level mixture of :mod:`phaseserve.data`.
+
+- :class:`TrainConfig` / :class:`ModelShape` — every knob (Hydra's ``configs/train.yaml`` mirrors them);
+- :func:`hf_config` — the Hugging Face ``config.json`` dict of the model; ``ModelConfig.from_hf_config`` of it is
+  the config trained, so the exported checkpoint describes exactly what was trained;
+- :func:`train_forward` — the same function as ``ps.forward`` (a test checks it), but every routed expert is
+  computed densely and weighted by the (mostly zero) routing weights, which on a CPU is faster than the ragged
+  dispatch for 8 small experts, and it also returns each MoE layer's expert load;
+- auxiliary-loss-free balancing (DeepSeek-V3): after each step every MoE layer's ``e_score_correction_bias``
+  moves by ``bias_update_rate`` against the sign of its experts' over-/under-load (it gets no gradient);
+- :func:`train` — AdamW with linear warmup and cosine decay, orbax checkpoints every ``ckpt_every`` steps
+  (resumable: batch ``s`` depends only on ``(seed, s)``), held-out evaluation every ``eval_every`` steps;
+- :func:`export_hf` — the HF-format directory (config.json, model.safetensors in the hub's DeepSeek-V3
+  tensor naming, tokenizer.json) that ``ps.load_checkpoint`` and transformers read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.data.corpus import Mixture, eval_windows
+from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.data.toolcalls import examples
+from phaseserve.model import attention_mla
+from phaseserve.model.layers import mlp, rms_norm
+from phaseserve.model.loader import hf_sources, leaf_path
+from phaseserve.model.moe import route
+from phaseserve.model.params import MLPParams, MoEParams, Params, abstract_params, is_info
+from phaseserve.model.transformer import embed, logits_from_hidden
+
+
+@dataclass
+class ModelShape:
+    """Architecture of the default model (HF DeepSeek-V3 config keys in comments)."""
+
+    hidden_size: int = 256
+    num_layers: int = 4  # num_hidden_layers
+    first_k_dense: int = 1  # first_k_dense_replace: leading layers with a dense MLP
+    num_heads: int = 4
+    intermediate_size: int = 768  # dense MLP width
+    moe_intermediate_size: int = 128  # per routed / shared expert
+    num_experts: int = 8  # n_routed_experts
+    experts_per_tok: int = 2  # num_experts_per_tok
+    shared_experts: int = 1  # n_shared_experts
+    routed_scaling_factor: float = 1.0
+    q_lora_rank: int | None = 96
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Paths are relative to the working directory (the repository root)."""
+
+    model: ModelShape = field(default_factory=ModelShape)
+    seed: int = 0
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    tool_fraction: float = 0.3  # share of batch rows that are packed tool-call examples
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1  # on matrices only
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    bias_update_rate: float = 1e-3  # DeepSeek-V3 gamma for e_score_correction_bias
+    log_every: int = 10
+    eval_every: int = 100
+    ckpt_every: int = 100
+    ckpt_dir: str = "outputs/train_ckpt"
+    resume: bool = True
+    export_dir: str = "models/default"
+    export_dtype: str = "bfloat16"  # matrices; routers and correction biases stay float32
+    results_dir: str = "benchmarks/training"
+    final_tool_eval: int = 200  # held-out requests generated at the end (0: skip)
+
+
+def hf_config(m: ModelShape, tok: ByteTokenizer | None = None, dtype: str = "bfloat16") -> dict:
+    """The HF ``config.json`` of the model (DeepseekV3ForCausalLM)."""
+    tok = tok or ByteTokenizer()
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": tok.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+        "moe_intermediate_size": m.moe_intermediate_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
+        "n_routed_experts": m.num_experts, "num_experts_per_tok": m.experts_per_tok,
+        "n_shared_experts": m.shared_experts, "routed_scaling_factor": m.routed_scaling_factor,
+        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "first_k_dense_replace": m.first_k_dense, "moe_layer_freq": 1,
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+        "hidden_act": "silu", "max_position_embeddings": m.max_position_embeddings, "rms_norm_eps": 1e-6,
+        "rope_theta": m.rope_theta, "rope_scaling": None, "rope_interleave": True,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
+        "initializer_range": 0.02, "use_cache": True, "dtype": dtype,
+    }
+
+
+def model_config(m: ModelShape) -> ModelConfig:
+    return ModelConfig.from_hf_config(hf_config(m))
+
+
+def init_train_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Float32 training init: fan-in-scaled normal matrices, embeddings std 0.02, norms 1, biases 0."""
+    tree = abstract_params(cfg, "float32")
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_info)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for info, k in zip(leaves, keys, strict=True):
+        if info.init in ("ones", "zeros"):
+            out.append((jnp.ones if info.init == "ones" else jnp.zeros)(info.shape, jnp.float32))
+        else:
+            std = 0.02 if info.init == "embed" else 1.0 / np.sqrt(info.shape[-2])
+            out.append(std * jax.random.normal(k, info.shape, jnp.float32))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---- forward and loss ------------------------------------------------------------------------------------
+def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+    """All experts on all tokens, combined with the routing weights. x [N, D], weights f32[N, k], idx i32[N, k]."""
+    n = x.shape[0]
+    gates = jnp.zeros((n, cfg.num_experts), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)  # [N, E]
+    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, p.w_gate)) * jnp.einsum("nd,edf->enf", x, p.w_up)
+    y = jnp.einsum("enf,efd->end", h, p.w_down)
+    return jnp.einsum("end,ne->nd", y, gates).astype(x.dtype)
+
+
+def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """tokens i32[B, T] -> (logits f32[B, T, V], expert load f32[num_moe_layers, E] as fractions of assignments)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = embed(params, tokens)
+    loads = []
+    for layer in params.layers:
+        out, _ = attention_mla.forward(layer.attn, cfg, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, None)
+        x = x + out
+        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        if isinstance(layer.mlp, MLPParams):
+            x = x + mlp(layer.mlp, h)
+            continue
+        hf = h.reshape(-1, h.shape[-1])
+        w, idx = route(layer.mlp, cfg, hf)
+        y = dense_experts(layer.mlp, cfg, hf, w, idx)
+        if layer.mlp.shared is not None:
+            y = y + mlp(layer.mlp.shared, hf)
+        x = x + y.reshape(h.shape)
+        loads.append(jnp.bincount(idx.reshape(-1), length=cfg.num_experts) / idx.size)
+    return logits_from_hidden(params, cfg, x), jnp.stack(loads)
+
+
+def masked_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean NLL over masked positions. logits f32[B, T, V], targets i32[B, T], mask f32[B, T]."""
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def update_correction_bias(params: Params, loads: jax.Array, rate: float) -> Params:
+    """bias_e -= rate * sign(load_e - mean load) in every MoE layer. loads f32[num_moe_layers, E]."""
+    layers, j = [], 0
+    for layer in params.layers:
+        if isinstance(layer.mlp, MoEParams) and layer.mlp.correction_bias is not None:
+            bias = layer.mlp.correction_bias - rate * jnp.sign(loads[j] - jnp.mean(loads[j]))
+            layer = layer.replace(mlp=layer.mlp.replace(correction_bias=bias))
+        j += isinstance(layer.mlp, MoEParams)
+        layers.append(layer)
+    return params.replace(layers=layers)
+
+
+def make_optimizer(c: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, c.steps, c.lr * c.min_lr_ratio)
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+    return optax.chain(optax.clip_by_global_norm(c.grad_clip),
+                       optax.adamw(schedule, b2=c.b2, weight_decay=c.weight_decay, mask=decay_mask))
+
+
+def make_step(cfg: ModelConfig, c: TrainConfig, opt: optax.GradientTransformation):
+    """The jitted step: (params, opt_state, tokens i32[B, T+1], mask f32[B, T]) -> (params, opt_state, stats)."""
+
+    def loss_fn(params, tokens, mask):
+        logits, loads = train_forward(params, cfg, tokens[:, :-1])
+        return masked_nll(logits, tokens[:, 1:], mask), loads
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask):
+        (loss, loads), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, mask)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        params = update_correction_bias(params, loads, c.bias_update_rate)
+        stats = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                 "max_load": jnp.max(loads) * cfg.num_experts}  # 1.0 = perfectly balanced
+        return params, opt_state, stats
+
+    return step
+
+
+# ---- evaluation during training ---------------------------------------------------------------------------
+def tool_completion_batch(n: int, seq_len: int, seed: int = 0, split: str = "heldout") -> tuple[np.ndarray, np.ndarray]:
+    """(tokens i32[n, seq_len + 1], mask f32[n, seq_len]): one example per row; only the completion
+    (``<tool_call>..<eos>``) counts, so the loss measures how well the model answers held-out requests."""
+    tok = ByteTokenizer()
+    tokens = np.full((n, seq_len + 1), tok.pad_id, np.int32)
+    mask = np.zeros((n, seq_len), np.float32)
+    for r, ex in enumerate(examples(n, split, seed)):
+        p, c = ex.prompt_ids(tok), ex.completion_ids(tok)
+        ids = (p + c)[: seq_len + 1]
+        tokens[r, : len(ids)] = ids
+        mask[r, len(p) - 1: len(ids) - 1] = 1.0
+    return tokens, mask
+
+
+def make_eval(cfg: ModelConfig, seq_len: int):
+    """Returns eval(params) -> {"heldout_text_loss", "heldout_tool_loss"} on fixed held-out data (nats/token)."""
+    text = eval_windows("heldout", seq_len, num=32)
+    text_mask = np.ones((text.shape[0], seq_len), np.float32)
+    tool, tool_mask = tool_completion_batch(32, min(seq_len, 192))
+    loss = jax.jit(lambda p, t, m: masked_nll(train_forward(p, cfg, t[:, :-1])[0], t[:, 1:], m))
+
+    def evaluate(params) -> dict[str, float]:
+        return {"heldout_text_loss": float(loss(params, text, text_mask)),
+                "heldout_tool_loss": float(loss(params, tool, tool_mask))}
+
+    return evaluate
+
+
+# ---- export ---------------------------------------------------------------------------------------------
+def export_hf(params: Params, m: ModelShape, out_dir: str | Path, dtype: str = "bfloat16",
+              extra_files: dict[str, str] | None = None) -> Path:
+    """Write an HF-format checkpoint directory (see module docstring). Routers and correction biases are
+    stored in float32 (as DeepSeek-V3 does), every other tensor in ``dtype``."""
+    from safetensors.flax import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = ByteTokenizer()
+    cfg = model_config(m)
+    abstract = abstract_params(cfg, dtype)
+    flat_info = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_info)[0]
+    flat_vals = jax.tree.leaves(params)
+    tensors: dict[str, jax.Array] = {}
+    for (kp, info), value in zip(flat_info, flat_vals, strict=True):
+        names, transpose = hf_sources(leaf_path(kp), info)
+        value = np.asarray(value, np.float32).astype(to_dtype(info.dtype))
+        parts = list(value) if len(names) > 1 else [value]
+        for name, part in zip(names, parts, strict=True):
+            tensors[name] = jnp.asarray(np.ascontiguousarray(part.T if transpose else part))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(m, tok, dtype), indent=2) + "\n")
+    tok.save(out)
+    for name, text in (extra_files or {}).items():
+        (out / name).write_text(text)
+    return out
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------
+def _checkpointer(c: TrainConfig):
+    import orbax.checkpoint as ocp
+
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=c.ckpt_every)
+    return ocp.CheckpointManager(Path(c.ckpt_dir).absolute(), options=opts)
+
+
+def train(c: TrainConfig, log=print) -> dict:
+    """Train (resuming from ``c.ckpt_dir`` when it holds a checkpoint), then export and evaluate.
+
+    Returns the run summary (also written to ``<results_dir>/results.json``); the per-step history goes to
+    ``history.json`` and the loss curve to ``loss_curve.png`` in ``results_dir``.
+    """
+    import orbax.checkpoint as ocp
+
+    cfg = model_config(c.model)
+    opt = make_optimizer(c)
+    step_fn = make_step(cfg, c, opt)
+    evaluate = make_eval(cfg, c.seq_len)
+    data = Mixture(batch_size=c.batch_size, seq_len=c.seq_len, tool_fraction=c.tool_fraction, seed=c.seed)
+    params = init_train_params(cfg, jax.random.key(c.seed))
+    opt_state = opt.init(params)
+    history: dict = {"train": [], "eval": [], "wall_s": 0.0}
+    mngr = _checkpointer(c)
+    start = 0
+    if c.resume and mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        target = {"params": params, "opt_state": opt_state}
+        restored = mngr.restore(start, args=ocp.args.StandardRestore(target))
+        params, opt_state = restored["params"], restored["opt_state"]
+        history = json.loads((Path(c.ckpt_dir) / "history.json").read_text())
+        history["train"] = [h for h in history["train"] if h["step"] <= start]
+        history["eval"] = [h for h in history["eval"] if h["step"] <= start]
+        log(f"resumed from step {start}")
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    log(f"model: {n_params / 1e6:.2f}M parameters; {c.steps} steps of {c.batch_size}x{c.seq_len} tokens")
+    t0, wall0 = time.time(), history["wall_s"]
+    for s in range(start, c.steps):
+        tokens, mask = data.batch(s)
+        params, opt_state, stats = step_fn(params, opt_state, tokens, mask)
+        done = s + 1
+        if done % c.log_every == 0 or done == c.steps:
+            rec = {"step": done, **{k: float(v) for k, v in stats.items()}, "wall_s": wall0 + time.time() - t0}
+            history["train"].append(rec)
+            log(f"step {done:5d}  loss {rec['loss']:.4f}  |g| {rec['grad_norm']:.3f}  "
+                f"max load {rec['max_load']:.2f}  {rec['wall_s']:.0f}s")
+        if done % c.eval_every == 0 or done == c.steps:
+            ev = {"step": done, **evaluate(params)}
+            history["eval"].append(ev)
+            log(f"eval  {done:5d}  held-out text {ev['heldout_text_loss']:.4f}  tool {ev['heldout_tool_loss']:.4f}")
+        if done % c.ckpt_every == 0 or done == c.steps:
+            history["wall_s"] = wall0 + time.time() - t0
+            mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+            mngr.wait_until_finished()
+            (Path(c.ckpt_dir) / "history.json").write_text(json.dumps(history))
+    history["wall_s"] = wall0 + time.time() - t0
+    return finish(c, params, history, log)
+
+
+def plot_history(history: dict, path: str | Path) -> Path:
+    """Loss curve PNG: training loss (raw and smoothed) and the held-out text / tool-call losses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr, ev = history["train"], history["eval"]
+    steps = np.array([h["step"] for h in tr])
+    loss = np.array([h["loss"] for h in tr])
+    smooth = np.array([loss[max(0, i - 9): i + 1].mean() for i in range(len(loss))])
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(steps, loss, color="0.75", lw=0.8, label="train (mixture)")
+    ax.plot(steps, smooth, color="C0", lw=1.6, label="train, 10-point mean")
+    ax.plot([h["step"] for h in ev], [h["heldout_text_loss"] for h in ev], "o-", color="C1", ms=3,
+            label="held-out stdlib text")
+    ax.plot([h["step"] for h in ev], [h["heldout_tool_loss"] for h in ev], "s-", color="C2", ms=3,
+            label="held-out tool-call completions")
+    ax.axhline(np.log(256), color="0.5", ls=":", lw=1, label="uniform over bytes (ln 256)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_ylim(0, max(6.0, float(loss[:3].max()) if len(loss) else 6.0))
+    ax.set_title(f"default model training ({history['wall_s'] / 60:.1f} min on CPU)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
+    """Export the trained model, reload it the way users do and evaluate the shipped (exported) weights."""
+    from phaseserve.eval.generation import evaluate_tool_calls, greedy_generate_fn, heldout_perplexity
+    from phaseserve.model.loader import load_checkpoint
+
+    out = export_hf(params, c.model, c.export_dir, c.export_dtype)
+    cfg, shipped = load_checkpoint(out, "float32")
+    res = Path(c.results_dir)
+    res.mkdir(parents=True, exist_ok=True)
+    summary: dict = {
+        "config": asdict(c),
+        "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shipped)),
+        "wall_s": history["wall_s"],
+        "final_train_loss_10step_mean": float(np.mean([h["loss"] for h in history["train"][-10:]])),
+        "heldout_text": heldout_perplexity(shipped, cfg),
+        "train_text": heldout_perplexity(shipped, cfg, eval_windows("train", min(256, cfg.max_position_embeddings),
+                                                                    num=64)),
+        "checkpoint_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
+    }
+    if c.final_tool_eval:
+        gen = greedy_generate_fn(shipped, cfg, batch_size=32)
+        t0 = time.time()
+        report = evaluate_tool_calls(gen, examples(c.final_tool_eval, "heldout", seed=1))
+        summary["tool_calls"] = {**report.as_dict(), "failures": report.failures, "eval_s": time.time() - t0}
+    log(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
+    (res / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (res / "history.json").write_text(json.dumps(history) + "\n")
+    plot_history(history, res / "loss_curve.png")
+    return summary
