@@ -103,9 +103,9 @@ class IntegrityTracker:
     def __init__(self, allocator: PageAllocator, *, device: jax.Device | jax.sharding.Sharding | None = None):
         self.allocator = allocator
         self.num_pages = allocator.num_pages
-        self.tags = jax.device_put(jnp.zeros(allocator.num_pages, jnp.uint32), device)  # u32[N]
+        allocator.drain_tag_updates()  # the full copy below supersedes anything pending
+        self.tags = jax.device_put(np.array(allocator.tags, np.uint32), device)  # u32[N]
         self.stats = CheckStats()
-        self.sync()
 
     # ---- host -> device ------------------------------------------------------------------------------------
     def sync(self) -> int:
