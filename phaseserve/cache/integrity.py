@@ -3,8 +3,9 @@
 Per decode step the engine does::
 
     pt, expected, live = tables.batch(rids)                      # host numpy (PageTables, allocator.py)
-    ok = tracker.check(pt, expected, live)                       # separate jitted launch -> bool[B] on device
-    out, finite = decode_step(..., pt, ok)                       # ok consumed on device, no host round trip
+    pt_dev = jax.device_put(pt, decode_sharding)                 # once: both launches read the same copy
+    ok = tracker.check(pt_dev, expected, live)                   # separate jitted launch -> bool[B] on device
+    out, finite = decode_step(..., pt_dev, ok)                   # ok consumed on device, no host round trip
     errors = tracker.failures(rids, ok, finite, (pt, expected, live))   # host, after the step's tokens arrive
 
 ``check`` first pushes the allocator's pending tag changes to the device tag array ``u32[num_pages]`` (one small

@@ -137,3 +137,18 @@ def test_healthy_rows_are_bit_identical_with_or_without_tracker(kind):
     assert (finite is None) == (kind != "enabled")
     assert finite is None or np.asarray(finite).all()
     assert np.isfinite(np.asarray(out)).all() and np.abs(np.asarray(out)).max() > 0
+
+
+def test_failing_rows_neither_read_nor_write():
+    a, pool, q, kv, pt, lengths, mask, batch = _step_inputs(seed=2)
+    ok = jnp.asarray([True, False, True])
+    assert np.asarray(IntegrityTracker.mask_rows(mask, ok)).tolist() == [True, False, False]  # row 2: padding
+    assert (np.asarray(IntegrityTracker.mask_table(pt, ok))[1] == 0).all()
+    np.testing.assert_array_equal(np.asarray(IntegrityTracker.mask_table(pt, ok))[0], np.asarray(pt)[0])
+    got_pool, out, finite = toy_decode_step(pool, q, kv, pt, lengths, mask, ok, tracker=IntegrityTracker)
+    ref_pool, ref_out, _ = toy_decode_step(pool, q, kv, pt, lengths, mask & ok, None, tracker=None)
+    for x, y in zip(jax.tree.leaves(ref_pool), jax.tree.leaves(got_pool), strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))  # row 1 wrote nothing
+    assert not np.asarray(out)[1].any()  # row 1 read only the (all-zero) null page
+    np.testing.assert_array_equal(np.asarray(out)[0], np.asarray(ref_out)[0])
+    assert np.asarray(finite).all()
