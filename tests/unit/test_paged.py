@@ -266,3 +266,31 @@ def test_pool_bytes_match_accounting_and_budget(cfg, kv_dtype):
     pool = jax.eval_shape(lambda: paged.init_pool(cfg, n, S, kv_dtype))
     assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) == n * per_page
     assert paged.pool_nbytes(paged.init_pool(cfg, 3, S, kv_dtype)) == 3 * per_page
+
+
+@pytest.mark.parametrize("cfg", [GQA, MLA], ids=["gqa", "mla"])
+def test_pool_layout_is_what_the_attention_kernels_take(cfg):
+    """The FP8 pool's pages and scales feed pallas_kernels' references directly (DESIGN layout contract)."""
+    from pallas_kernels.mla_attention import mla_decode_attention_reference
+    from pallas_kernels.paged_attention import paged_decode_attention_reference
+    from phaseserve.cache.faults import _attend
+
+    rng = np.random.default_rng(9)
+    lengths = np.array([1, S, 2 * S + 3], np.int32)
+    pt = jnp.asarray(page_rows(rng, 12, lengths, 3))
+    pool = paged.write_prompt(paged.init_pool(cfg, 12, S, "float8_e4m3fn"), rand_kv(cfg, rng, 3, 3 * S), pt,
+                              jnp.asarray(lengths))
+    lay = pool.layers[1]
+    w = cfg.kv_cache_width
+    q = jnp.asarray(rng.standard_normal((3, cfg.num_heads, w)), jnp.float32)
+    valid = jnp.arange(3 * S)[None, :] < jnp.asarray(lengths)[:, None]
+    mine = np.asarray(_attend(q, paged.gather_layer(lay, pt), valid))
+    if cfg.is_mla:
+        r = cfg.kv_lora_rank
+        theirs = mla_decode_attention_reference(q[..., :r], q[..., r:], lay.latent, pt, jnp.asarray(lengths),
+                                                scales=lay.scale, sm_scale=w**-0.5)
+        mine = mine[..., :r]
+    else:
+        theirs = paged_decode_attention_reference(q, lay.k, lay.v, pt, jnp.asarray(lengths), k_scales=lay.k_scale,
+                                                  v_scales=lay.v_scale)
+    np.testing.assert_allclose(mine, np.asarray(theirs), rtol=2e-5, atol=2e-5)
