@@ -161,14 +161,12 @@ def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
     n = w.q.shape[-1]
     bks, bns = w.block
     per_channel = (bks, bns) == (k, 1)
+    if act_quant and target == "tpu":
+        raise UnsupportedShapeError("the TPU FP8 kernel takes 16/32-bit activations (act_quant=False)")
     blk = tuning.fp8_blocks(target, m, k, n, w.block)
     if blk is None:
         raise UnsupportedShapeError(f"FP8 Pallas ({target}) cannot tile M={m} K={k} N={n} scale block {w.block}")
-    bm, bn, bk = blk.bm, blk.bn, blk.bk
-    if act_quant:
-        if target == "tpu":
-            raise UnsupportedShapeError("the TPU FP8 kernel takes 16/32-bit activations (act_quant=False)")
-        bk = math.gcd(bk, ACT_BLOCK)
+    bm, bn, bk = blk.bm, blk.bn, math.gcd(blk.bk, ACT_BLOCK) if act_quant else blk.bk
     mp = cdiv(m, bm) * bm
     xp = jnp.pad(x2, ((0, mp - m), (0, 0)))
     args, in_specs = [], []
