@@ -1,0 +1,178 @@
+"""Calibrated INT4: GPTQ on input-activation statistics collected with a plain reference forward.
+
+**Collecting.** :func:`collect_calibration` runs the unmodified model (``transformer.forward``) eagerly on a
+small calibration set of token sequences, with every matmul weight wrapped in a recording tap. The model
+sends each projection through ``quant.dense`` / ``quant.grouped_dense``, which treat anything with a
+``dequantize`` method as a quantized weight and call its ``matmul`` / ``grouped_matmul``; the tap records
+the input rows there and returns the plain product. So the statistics come from the real model code, not a
+copy of it. Per weight it keeps ``H = sum_x x x^T`` (float64, ``[K, K]``; ``[E, K, K]`` for routed experts,
+split by the ragged ``group_sizes``) and the number of rows seen.
+
+**GPTQ** (Frantar et al., 2022) quantizes the input rows of ``w [K, N]`` one after another and pushes each
+row's rounding error onto the rows not yet quantized, weighted by the inverse Hessian, which minimises
+``||X w - X q||`` rather than ``||w - q||``. Group scales (symmetric, ``amax / 7`` over the group's rows,
+rounded to the scale dtype) are fixed when the sweep reaches a group's first row, so the result is an
+ordinary :class:`Int4Weight` (same kernels, same checkpoint format as RTN). Blocks of rows are updated lazily
+(one matmul per block). Damping: ``0.01 * mean(diag H)``. A weight (or expert) with no calibration rows
+falls back to RTN.
+
+Everything here runs on the host in numpy float64: it is meant for the small models of the quality
+evaluation, not for calibrating a 1T-parameter checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.int4_matmul import Int4Weight, pack_int4
+from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.quant.dispatch import dense, grouped_dense
+from phaseserve.quant.quantize import path_str
+
+DAMP = 0.01
+
+
+@dataclass
+class Calibration:
+    """Per-weight input statistics: ``hessians[path]`` f64[K, K] (or [E, K, K]) and ``rows[path]``."""
+
+    hessians: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def hessian(self, path: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(H, rows)`` for a weight path, or None if the weight was never multiplied."""
+        if path not in self.hessians:
+            return None
+        return self.hessians[path], self.rows[path]
+
+    def _add(self, path: str, h: np.ndarray, n: np.ndarray) -> None:
+        if path in self.hessians:
+            self.hessians[path] += h
+            self.rows[path] += n
+        else:
+            self.hessians[path], self.rows[path] = h, n
+
+
+def _gram(xs: jax.Array) -> np.ndarray:
+    """xs f32[M, K] -> f64[K, K] = xs^T xs (computed by XLA: host BLAS threads are shared and slow here)."""
+    return np.asarray(jnp.einsum("mk,mj->kj", xs, xs, precision=jax.lax.Precision.HIGHEST), np.float64)
+
+
+class _Tap:
+    """Stands in for a weight during calibration: records inputs, returns the plain product."""
+
+    def __init__(self, w: jax.Array, path: str, sink: Calibration):
+        self.w, self.path, self.sink = w, path, sink
+        self.shape = w.shape
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        return self.w if dtype is None else self.w.astype(dtype)
+
+    def matmul(self, x: jax.Array, **_: Any) -> jax.Array:
+        xs = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [M, K]
+        self.sink._add(self.path, _gram(xs), np.asarray(xs.shape[0]))
+        return dense(x, self.w)
+
+    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array, **_: Any) -> jax.Array:
+        xs = x.astype(jnp.float32)  # [M, K], sorted by expert
+        sizes = np.asarray(group_sizes)
+        expert = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))  # i32[M]
+        onehot = jax.nn.one_hot(expert, len(sizes), dtype=jnp.float32)  # [M, E]
+        h = jnp.einsum("me,mk,mj->ekj", onehot, xs, xs, precision=jax.lax.Precision.HIGHEST)
+        self.sink._add(self.path, np.asarray(h, np.float64), sizes.astype(np.int64))
+        return grouped_dense(x, self.w, group_sizes)
+
+
+def collect_calibration(params: Any, cfg: ModelConfig, tokens: Any, batch_size: int = 8) -> Calibration:
+    """Input statistics of every matmul weight over ``tokens`` i32[S, T] (a small calibration set)."""
+    from phaseserve.model.transformer import forward  # the real model, run eagerly
+
+    cal = Calibration()
+
+    def tap(kp, x):
+        path = path_str(kp)
+        if getattr(x, "ndim", 0) >= 2 and path != "embed" and not path.endswith("mlp.router"):
+            return _Tap(x, path, cal)
+        return x
+
+    tapped = jax.tree_util.tree_map_with_path(tap, params)
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[0] == 0:
+        raise ValueError(f"calibration tokens must be i32[S, T] with S > 0, got shape {tokens.shape}")
+    for i in range(0, tokens.shape[0], batch_size):
+        forward(tapped, cfg, jnp.asarray(tokens[i:i + batch_size]))
+    return cal
+
+
+def _prepare_hessian(h: np.ndarray) -> np.ndarray:
+    """Dead inputs get a unit diagonal, then damping ``DAMP * mean(diag)`` (elementwise, host)."""
+    h = np.array(h, np.float64)
+    k = h.shape[-1]
+    idx = np.arange(k)
+    dead = h[idx, idx] == 0
+    h[idx[dead], idx[dead]] = 1.0
+    h[idx, idx] += DAMP * np.mean(h[idx, idx])
+    return h
+
+
+@partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
+def _gptq_matrix(w: jax.Array, h: jax.Array, group_size: int, scale_dtype) -> tuple[jax.Array, jax.Array]:
+    """GPTQ of one matrix: w f32[K, N], damped h f32[K, K] -> (nibbles u8[K, N] = q + 8, scale f32[K/G, N]).
+
+    Row ``r`` is rounded with its group's scale (fixed from the updated rows when ``r`` opens the group);
+    its error, divided by ``U[r, r]``, is subtracted from every later row ``j`` times ``U[r, j]``, where
+    ``H^-1 = U^T U`` (upper Cholesky factor of the inverse Hessian).
+    """
+    k, n = w.shape
+    u = jnp.linalg.cholesky(jnp.linalg.inv(h)).T  # upper
+    rows = jnp.arange(k)
+
+    def step(r, carry):
+        w, q, scales = carry
+        g = r // group_size
+        block = jax.lax.dynamic_slice_in_dim(w, g * group_size, group_size, axis=0)
+        amax = jnp.max(jnp.abs(block), axis=0)
+        fresh = jnp.where(amax > 0, amax / 7.0, 1.0).astype(scale_dtype).astype(jnp.float32)
+        s = jnp.where(r % group_size == 0, fresh, scales[g])
+        scales = scales.at[g].set(s)
+        qr = jnp.clip(jnp.round(w[r] / s), -8, 7)
+        err = (w[r] - qr * s) / u[r, r]
+        w = w - jnp.where((rows > r)[:, None], u[r][:, None] * err[None, :], 0.0)
+        return w, q.at[r].set(qr), scales
+
+    init = (w.astype(jnp.float32), jnp.zeros((k, n), jnp.float32), jnp.zeros((k // group_size, n), jnp.float32))
+    _, q, scales = jax.lax.fori_loop(0, k, step, init)
+    return (q + 8).astype(jnp.uint8), scales
+
+
+@partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
+def _gptq_stack(w: jax.Array, h: jax.Array, group_size: int, scale_dtype) -> Int4Weight:
+    """w f32[E, K, N], h f32[E, K, K] -> Int4Weight [E, K, N] (one compile per shape)."""
+    nib, scales = jax.vmap(lambda a, b: _gptq_matrix(a, b, group_size, scale_dtype))(w, h)
+    return pack_int4(nib, scales.astype(scale_dtype), group_size)
+
+
+def gptq_int4(w: jax.Array, hessian: tuple[np.ndarray, np.ndarray], group_size: int,
+              scale_dtype: str = "float32") -> Int4Weight:
+    """GPTQ INT4 of w [K, N] or [E, K, N] given ``(H, rows)`` from :class:`Calibration`.
+
+    An expert no calibration row reached gets ``H = I``: no error is propagated, which is exactly RTN.
+    """
+    h, rows = hessian
+    h3, rows = np.asarray(h, np.float64), np.asarray(rows).reshape(-1)
+    w3 = jnp.asarray(w, jnp.float32)
+    if w3.ndim == 2:
+        w3, h3 = w3[None], h3[None]
+    eye = np.eye(h3.shape[-1])
+    hp = np.stack([_prepare_hessian(h3[e]) if rows[e] and np.any(np.diagonal(h3[e])) else eye
+                   for e in range(h3.shape[0])])
+    out = _gptq_stack(w3, jnp.asarray(hp, jnp.float32), group_size, to_dtype(scale_dtype).type)
+    if w.ndim == 2:
+        return Int4Weight(out.packed[0], out.scale[0], group_size)
+    return out
