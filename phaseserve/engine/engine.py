@@ -296,7 +296,8 @@ class Engine:
         return outs
 
     def summary(self) -> dict:
-        return self.metrics.summary(list(self.outputs.values()))
+        return self.metrics.summary(list(self.outputs.values()), self.scheduler.lookup_pages,
+                                    self.scheduler.hit_pages)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -28,8 +28,6 @@ class RunMetrics:
     aborts: int = 0
     errors: int = 0
     integrity_checks: int = 0
-    prefix_lookup_pages: int = 0
-    prefix_hit_pages: int = 0
     peak_running: int = 0
     peak_pages_in_use: int = 0
     decode_time: float = 0.0
@@ -42,7 +40,8 @@ class RunMetrics:
         self.peak_pages_in_use = max(self.peak_pages_in_use, pages_in_use)
         self.running_samples.append(running)
 
-    def summary(self, outputs: list[RequestOutput]) -> dict:
+    def summary(self, outputs: list[RequestOutput], prefix_lookup_pages: int = 0, prefix_hit_pages: int = 0) -> dict:
+        """Aggregate counters and per-request metrics; prefix counts come from the scheduler that owns them."""
         wall = max(self.end - self.start, 1e-9)
         done = [o for o in outputs if o.finish_reason in ("length", "stop")]
         out_tokens = sum(len(o.tokens) for o in outputs)
@@ -64,6 +63,6 @@ class RunMetrics:
             "peak_pages_in_use": self.peak_pages_in_use,
             "preemptions": self.preemptions,
             "integrity_checks": self.integrity_checks,
-            "prefix_hit_rate": self.prefix_hit_pages / self.prefix_lookup_pages if self.prefix_lookup_pages else 0.0,
+            "prefix_hit_rate": prefix_hit_pages / prefix_lookup_pages if prefix_lookup_pages else 0.0,
             "host_fraction_of_decode": self.host_time / max(self.decode_time + self.host_time, 1e-9),
         }
