@@ -1,23 +1,25 @@
 """Calibrated INT4: GPTQ on input-activation statistics collected with a plain reference forward.
 
-**Collecting.** :func:`collect_calibration` runs the unmodified model (``transformer.forward``) eagerly on a
+**Collecting.** :func:`collect_calibration` runs the unmodified model (``transformer.forward``, jitted) on a
 small calibration set of token sequences, with every matmul weight wrapped in a recording tap. The model
 sends each projection through ``quant.dense`` / ``quant.grouped_dense``, which treat anything with a
-``dequantize`` method as a quantized weight and call its ``matmul`` / ``grouped_matmul``; the tap records
-the input rows there and returns the plain product. So the statistics come from the real model code, not a
-copy of it. Per weight it keeps ``H = sum_x x x^T`` (float64, ``[K, K]``; ``[E, K, K]`` for routed experts,
-split by the ragged ``group_sizes``) and the number of rows seen.
+``dequantize`` method as a quantized weight and call its ``matmul`` / ``grouped_matmul``; the tap computes
+the Gram matrix of its input rows there, hands it to the host with ``jax.debug.callback`` and returns the
+plain product. So the statistics come from the real model code, not a copy of it. Per weight it keeps
+``H = sum_x x x^T`` (float64 on the host, ``[K, K]``; ``[E, K, K]`` for routed experts, split by the ragged
+``group_sizes``) and the number of rows seen. Weights the model dequantizes instead of multiplying (MLA's
+``wkv_b``) get no statistics.
 
 **GPTQ** (Frantar et al., 2022) quantizes the input rows of ``w [K, N]`` one after another and pushes each
 row's rounding error onto the rows not yet quantized, weighted by the inverse Hessian, which minimises
 ``||X w - X q||`` rather than ``||w - q||``. Group scales (symmetric, ``amax / 7`` over the group's rows,
 rounded to the scale dtype) are fixed when the sweep reaches a group's first row, so the result is an
-ordinary :class:`Int4Weight` (same kernels, same checkpoint format as RTN). Blocks of rows are updated lazily
-(one matmul per block). Damping: ``0.01 * mean(diag H)``. A weight (or expert) with no calibration rows
-falls back to RTN.
-
-Everything here runs on the host in numpy float64: it is meant for the small models of the quality
-evaluation, not for calibrating a 1T-parameter checkpoint.
+ordinary :class:`Int4Weight` (same kernels, same checkpoint format as RTN). Damping: ``0.01 * mean(diag H)``;
+dead inputs get a unit diagonal. An expert with no calibration rows gets ``H = I``, which is exactly RTN.
+The sweep is a jitted ``fori_loop`` over rows (f32, like the reference implementation), vmapped over experts,
+updating all later rows each step (``O(K^2 N)``): fine for the small models of the quality evaluation, not
+meant for calibrating a 1T-parameter checkpoint. With independent input channels (diagonal ``H``) GPTQ can
+only match RTN; its gain comes from correlated activations, which real models have.
 """
 
 from __future__ import annotations
@@ -59,54 +61,73 @@ class Calibration:
             self.hessians[path], self.rows[path] = h, n
 
 
-def _gram(xs: jax.Array) -> np.ndarray:
-    """xs f32[M, K] -> f64[K, K] = xs^T xs (computed by XLA: host BLAS threads are shared and slow here)."""
-    return np.asarray(jnp.einsum("mk,mj->kj", xs, xs, precision=jax.lax.Precision.HIGHEST), np.float64)
+_SINK: list[Calibration] = []  # the collection in progress (host callbacks write into it)
+
+
+def _record(path: str, h, n) -> None:
+    _SINK[-1]._add(path, np.asarray(h, np.float64), np.asarray(n, np.int64))
 
 
 class _Tap:
-    """Stands in for a weight during calibration: records inputs, returns the plain product."""
+    """Stands in for a weight during calibration: sends the Gram matrix of its inputs to the host (a
+    ``jax.debug.callback`` inside the jitted forward) and returns the plain product. A pytree (the weight is
+    its child, the path its static data), so the tapped params pass through ``jax.jit`` like any params."""
 
-    def __init__(self, w: jax.Array, path: str, sink: Calibration):
-        self.w, self.path, self.sink = w, path, sink
-        self.shape = w.shape
+    def __init__(self, w: jax.Array, path: str):
+        self.w, self.path = w, path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
 
     def dequantize(self, dtype=None) -> jax.Array:
         return self.w if dtype is None else self.w.astype(dtype)
 
     def matmul(self, x: jax.Array, **_: Any) -> jax.Array:
         xs = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [M, K]
-        self.sink._add(self.path, _gram(xs), np.asarray(xs.shape[0]))
+        h = jnp.einsum("mk,mj->kj", xs, xs, precision=jax.lax.Precision.HIGHEST)
+        jax.debug.callback(partial(_record, self.path), h, xs.shape[0])
         return dense(x, self.w)
 
     def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array, **_: Any) -> jax.Array:
         xs = x.astype(jnp.float32)  # [M, K], sorted by expert
-        sizes = np.asarray(group_sizes)
-        expert = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))  # i32[M]
-        onehot = jax.nn.one_hot(expert, len(sizes), dtype=jnp.float32)  # [M, E]
+        e = group_sizes.shape[0]
+        ends = jnp.cumsum(group_sizes)
+        expert = jnp.searchsorted(ends, jnp.arange(xs.shape[0]), side="right")  # i32[M]; == E for padding rows
+        onehot = jax.nn.one_hot(expert, e, dtype=jnp.float32)  # [M, E]
         h = jnp.einsum("me,mk,mj->ekj", onehot, xs, xs, precision=jax.lax.Precision.HIGHEST)
-        self.sink._add(self.path, np.asarray(h, np.float64), sizes.astype(np.int64))
+        jax.debug.callback(partial(_record, self.path), h, group_sizes)
         return grouped_dense(x, self.w, group_sizes)
 
 
-def collect_calibration(params: Any, cfg: ModelConfig, tokens: Any, batch_size: int = 8) -> Calibration:
-    """Input statistics of every matmul weight over ``tokens`` i32[S, T] (a small calibration set)."""
-    from phaseserve.model.transformer import forward  # the real model, run eagerly
+jax.tree_util.register_pytree_node(_Tap, lambda t: ((t.w,), t.path), lambda path, ch: _Tap(ch[0], path))
 
-    cal = Calibration()
+
+def collect_calibration(params: Any, cfg: ModelConfig, tokens: Any, batch_size: int = 8) -> Calibration:
+    """Input statistics of every matmul weight over ``tokens`` i32[S, T] (a small calibration set), from the
+    real ``transformer.forward`` (jitted once per batch shape)."""
+    from phaseserve.model.transformer import forward
+
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[0] == 0:
+        raise ValueError(f"calibration tokens must be i32[S, T] with S > 0, got shape {tokens.shape}")
 
     def tap(kp, x):
         path = path_str(kp)
         if getattr(x, "ndim", 0) >= 2 and path != "embed" and not path.endswith("mlp.router"):
-            return _Tap(x, path, cal)
+            return _Tap(x, path)
         return x
 
     tapped = jax.tree_util.tree_map_with_path(tap, params)
-    tokens = np.asarray(tokens, np.int32)
-    if tokens.ndim != 2 or tokens.shape[0] == 0:
-        raise ValueError(f"calibration tokens must be i32[S, T] with S > 0, got shape {tokens.shape}")
-    for i in range(0, tokens.shape[0], batch_size):
-        forward(tapped, cfg, jnp.asarray(tokens[i:i + batch_size]))
+    run = jax.jit(forward, static_argnums=1)
+    cal = Calibration()
+    _SINK.append(cal)
+    try:
+        for i in range(0, tokens.shape[0], batch_size):
+            jax.block_until_ready(run(tapped, cfg, jnp.asarray(tokens[i:i + batch_size])))
+        jax.effects_barrier()
+    finally:
+        _SINK.pop()
     return cal
 
 
