@@ -128,8 +128,11 @@ def online_softmax_step(m_prev, l_prev, acc_prev, logits, values, *, p_scale=Non
 
 
 def finalize(acc: jax.Array, den: jax.Array) -> jax.Array:
-    """acc f32[..., F] / den f32[..., 1]; rows that saw no key (den == 0) give zeros, not NaN."""
-    return jnp.where(den > 0, acc / jnp.where(den > 0, den, 1.0), 0.0)
+    """acc f32[..., F] / den f32[..., 1]; rows that saw no key (den == 0) give zeros, not NaN.
+
+    NaN read from a page must come out as NaN (the integrity layer's finite guard looks for it), so the test is
+    ``den == 0``, never ``den > 0`` (which is False for a NaN denominator and would silently zero the row)."""
+    return jnp.where(den == 0, 0.0, acc / jnp.where(den == 0, 1.0, den))
 
 
 def combine_splits(o: jax.Array, m: jax.Array, den: jax.Array, axis: int) -> jax.Array:
@@ -140,7 +143,7 @@ def combine_splits(o: jax.Array, m: jax.Array, den: jax.Array, axis: int) -> jax
     nothing; rows where every split is empty give zeros.
     """
     m_max = jnp.max(m, axis=axis, keepdims=True)
-    w = jnp.where(den > 0, jnp.exp(m - jnp.where(m_max == NEG_INF, 0.0, m_max)), 0.0)
+    w = jnp.where(den == 0, 0.0, jnp.exp(m - jnp.where(m_max == NEG_INF, 0.0, m_max)))  # NaN splits stay NaN
     num = jnp.sum(o * w[..., None], axis=axis)
     den = jnp.sum(den * w, axis=axis)[..., None]
     return finalize(num, den)

@@ -166,6 +166,9 @@ def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
     blk = tuning.fp8_blocks(target, m, k, n, w.block)
     if blk is None:
         raise UnsupportedShapeError(f"FP8 Pallas ({target}) cannot tile M={m} K={k} N={n} scale block {w.block}")
+    vmem = tuning.fp8_vmem_bytes(blk, k, jnp.dtype(x2.dtype).itemsize)
+    if target == "tpu" and vmem > tuning.TPU_VMEM_LIMIT_BYTES:
+        raise UnsupportedShapeError(f"FP8 TPU kernel would need {vmem >> 20} MiB of VMEM for K={k}")
     bm, bn, bk = blk.bm, blk.bn, math.gcd(blk.bk, ACT_BLOCK) if act_quant else blk.bk
     mp = cdiv(m, bm) * bm
     xp = jnp.pad(x2, ((0, mp - m), (0, 0)))

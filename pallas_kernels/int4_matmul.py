@@ -183,11 +183,14 @@ def _dense_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *scratch, bk, half, cdt
     o_ref[...] = _k_loop(xlo_ref, xhi_ref, w_ref, s_ref, acc, bk=bk, half=half, cdt=cdt).astype(o_ref.dtype)
 
 
-def _blocks(target: str, m: int, k: int, n: int, group_size: int) -> tuning.MatmulBlocks:
+def _blocks(target: str, m: int, k: int, n: int, group_size: int, x_dtype) -> tuning.MatmulBlocks:
     blk = tuning.int4_blocks(target, m, k, n, group_size)
     if blk is None:
         raise UnsupportedShapeError(f"INT4 Pallas ({target}) cannot tile M={m} K={k} N={n} group={group_size}; "
                                     "see the module docstring for the supported shapes")
+    vmem = tuning.int4_vmem_bytes(blk, k, group_size, jnp.dtype(x_dtype).itemsize)
+    if target == "tpu" and vmem > tuning.TPU_VMEM_LIMIT_BYTES:
+        raise UnsupportedShapeError(f"INT4 TPU kernel would need {vmem >> 20} MiB of VMEM for K={k}")
     return blk
 
 
@@ -204,7 +207,7 @@ def _scale_scratch(target: str, scale_dtype, shape) -> list:
 def _dense_forward(x2, w: Int4Weight, target: str, interpret: bool):
     m, k = x2.shape
     n = w.packed.shape[-1]
-    blk = _blocks(target, m, k, n, w.group_size)
+    blk = _blocks(target, m, k, n, w.group_size, x2.dtype)
     mp = cdiv(m, blk.bm) * blk.bm
     xlo, xhi = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in split_activations(x2, w.group_size))
     kh, ng = k // 2, k // w.group_size
@@ -296,7 +299,7 @@ def _grouped_forward(x, w: Int4Weight, group_sizes, target: str, interpret: bool
     m, k = x.shape
     num_groups, kh, n = w.packed.shape
     ng = k // w.group_size
-    blk = _blocks(target, m, k, n, w.group_size)
+    blk = _blocks(target, m, k, n, w.group_size, x.dtype)
     bm, bn = blk.bm, blk.bn
     mp = cdiv(m, bm) * bm
     tm = mp // bm

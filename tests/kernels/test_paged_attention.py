@@ -93,6 +93,20 @@ def test_kernel_matches_reference(target, dtype, qdtype, page_size, group, lengt
             assert (np.asarray(out[b]) == 0).all()
 
 
+@pytest.mark.parametrize("impl,target", [("reference", None), ("pallas", "gpu"), ("pallas", "tpu")])
+def test_nan_inside_a_length_propagates_to_that_row_only(impl, target):
+    """A corrupted page (NaN inside a row's length) must show up as NaN in that row -- the integrity layer's
+    finite guard relies on it -- while NaN past a length (poisoned pools everywhere else) never leaks."""
+    q, pool = make_case(11, BF16, 16, 4, [16, 1, 48, 0, 5], 3)
+    table = np.asarray(pool.page_table)
+    k = pool.pages[0].at[table[2, 1], 3, 1].set(jnp.nan)  # row 2, token 19, KV head 1
+    pool.pages = [k, pool.pages[1]]
+    out = np.asarray(call(q, pool, impl=impl, interpret=True, target=target), np.float32)
+    g = q.shape[1] // HKV
+    assert np.isnan(out[2, g:]).all() and np.isfinite(out[2, :g]).all()
+    assert np.isfinite(np.delete(out, 2, axis=0)).all()
+
+
 def test_split_k_is_exercised():
     blk = tuning.gqa_gpu(6, HKV, 16, 7)
     assert blk.num_splits > 1 and blk.num_splits * blk.pages_per_split >= 7
