@@ -162,12 +162,14 @@ def read_plain(store: TensorStore, names: list[str], transpose: bool, info: Arra
 
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", reader: LeafReader = read_plain,
-                    ) -> tuple[ModelConfig, Params]:
+                    store_factory: Callable[[Path], TensorStore] = TensorStore) -> tuple[ModelConfig, Params]:
     """Read an HF checkpoint directory into ``(cfg, params)`` with every floating leaf cast to ``dtype``
-    (routers and correction biases stay float32)."""
+    (routers and correction biases stay float32). ``reader`` and ``store_factory`` let quantized formats
+    (``phaseserve.quant.formats``) present their component tensors under the plain names and return
+    quantized leaves (anything that is not an ``np.ndarray`` is kept as the reader returns it)."""
     dtype = canonical_dtype(dtype)
     cfg, _ = read_config(path)
-    store = TensorStore(Path(path))
+    store = store_factory(Path(path))
     abstract = abstract_params(cfg, dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_info)
     used: set[str] = set()

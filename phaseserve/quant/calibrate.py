@@ -142,8 +142,7 @@ def _prepare_hessian(h: np.ndarray) -> np.ndarray:
     return h
 
 
-@partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
-def _gptq_matrix(w: jax.Array, h: jax.Array, group_size: int, scale_dtype) -> tuple[jax.Array, jax.Array]:
+def _gptq_matrix(w: jax.Array, h: jax.Array, group_size: int, scale_dtype, qmax) -> tuple[jax.Array, jax.Array]:
     """GPTQ of one matrix: w f32[K, N], damped h f32[K, K] -> (nibbles u8[K, N] = q + 8, scale f32[K/G, N]).
 
     Row ``r`` is rounded with its group's scale (fixed from the updated rows when ``r`` opens the group);
@@ -159,7 +158,7 @@ def _gptq_matrix(w: jax.Array, h: jax.Array, group_size: int, scale_dtype) -> tu
         g = r // group_size
         block = jax.lax.dynamic_slice_in_dim(w, g * group_size, group_size, axis=0)
         amax = jnp.max(jnp.abs(block), axis=0)
-        fresh = jnp.where(amax > 0, amax / 7.0, 1.0).astype(scale_dtype).astype(jnp.float32)
+        fresh = jnp.where(amax > 0, amax / qmax, 1.0).astype(scale_dtype).astype(jnp.float32)
         s = jnp.where(r % group_size == 0, fresh, scales[g])
         scales = scales.at[g].set(s)
         qr = jnp.clip(jnp.round(w[r] / s), -8, 7)
@@ -173,9 +172,10 @@ def _gptq_matrix(w: jax.Array, h: jax.Array, group_size: int, scale_dtype) -> tu
 
 
 @partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
-def _gptq_stack(w: jax.Array, h: jax.Array, group_size: int, scale_dtype) -> Int4Weight:
-    """w f32[E, K, N], h f32[E, K, K] -> Int4Weight [E, K, N] (one compile per shape)."""
-    nib, scales = jax.vmap(lambda a, b: _gptq_matrix(a, b, group_size, scale_dtype))(w, h)
+def _gptq_stack(w: jax.Array, h: jax.Array, group_size: int, scale_dtype, qmax: jax.Array) -> Int4Weight:
+    """w f32[E, K, N], h f32[E, K, K] -> Int4Weight [E, K, N] (one compile per shape). ``qmax`` f32[E, N] of 7s
+    is an array so that ``amax / qmax`` stays an IEEE division (as RTN's, see ``quantize.py``)."""
+    nib, scales = jax.vmap(lambda a, b, m: _gptq_matrix(a, b, group_size, scale_dtype, m))(w, h, qmax)
     return pack_int4(nib, scales.astype(scale_dtype), group_size)
 
 
@@ -193,7 +193,8 @@ def gptq_int4(w: jax.Array, hessian: tuple[np.ndarray, np.ndarray], group_size: 
     eye = np.eye(h3.shape[-1])
     hp = np.stack([_prepare_hessian(h3[e]) if rows[e] and np.any(np.diagonal(h3[e])) else eye
                    for e in range(h3.shape[0])])
-    out = _gptq_stack(w3, jnp.asarray(hp, jnp.float32), group_size, to_dtype(scale_dtype).type)
+    qmax = np.full((w3.shape[0], w3.shape[-1]), 7.0, np.float32)
+    out = _gptq_stack(w3, jnp.asarray(hp, jnp.float32), group_size, to_dtype(scale_dtype).type, qmax)
     if w.ndim == 2:
         return Int4Weight(out.packed[0], out.scale[0], group_size)
     return out

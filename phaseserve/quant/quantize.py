@@ -31,9 +31,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.fp8_matmul import Fp8Weight, quantize_fp8
-from pallas_kernels.int4_matmul import Int4Weight, quantize_int4
+from pallas_kernels.fp8_matmul import Fp8Weight
+from pallas_kernels.int4_matmul import Int4Weight, pack_int4
 from phaseserve.config import ModelConfig, to_dtype
 from phaseserve.model.params import ArrayInfo, abstract_params, is_info
 from phaseserve.quant.policy import PolicyError, QuantPolicy, Rep, resolve_policy
@@ -120,14 +121,42 @@ def _matches(x: Any, rep: Rep) -> bool:
     return not is_container(x) and _dtype_name(x) == rep.kind
 
 
+# The quantizers below are pallas_kernels' ``quantize_int4`` / ``quantize_fp8`` (same formulas, same layouts),
+# jitted, with the range maximum (7 or 448) passed in as a full array of the scales' shape: XLA on CPU turns a
+# division by a constant *or broadcast scalar* into a multiplication by its reciprocal, which moves scales by
+# one ulp and would make ``quantize_params`` differ from the reference quantizers of published checkpoints
+# (torch's ``amax / 448``). Array-by-array division is IEEE-exact.
+_INT4_MAX, _E4M3_MAX = 7.0, 448.0
+
+
+def _full(shape: tuple[int, ...], value: float) -> np.ndarray:
+    return np.full(shape, value, np.float32)
+
+
 @partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
-def _rtn_int4(w, group_size, scale_dtype):
-    return quantize_int4(w, group_size, scale_dtype)
+def _rtn_int4(w: jax.Array, group_size: int, scale_dtype, qmax: jax.Array) -> Int4Weight:
+    """w [..., K, N] -> Int4Weight: symmetric, scale = amax / qmax per group of K rows, q in [-8, 7].
+    qmax f32[..., K/G, 1, N] (all 7)."""
+    *lead, k, n = w.shape
+    wg = w.astype(jnp.float32).reshape(*lead, k // group_size, group_size, n)
+    amax = jnp.max(jnp.abs(wg), axis=-2, keepdims=True)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(scale_dtype)
+    q = jnp.clip(jnp.round(wg / scale.astype(jnp.float32)), -8, 7).astype(jnp.int32) + 8
+    return pack_int4(q.reshape(*lead, k, n).astype(jnp.uint8), scale[..., 0, :], group_size)
 
 
 @partial(jax.jit, static_argnames=("block",))
-def _fp8(w, block):
-    return quantize_fp8(w, block)
+def _fp8(w: jax.Array, block: tuple[int, int] | None, qmax: jax.Array) -> Fp8Weight:
+    """w [..., K, N] -> Fp8Weight: scale = amax / qmax per (bk, bn) block (per output channel if None).
+    qmax f32[..., ceil(K/bk), ceil(N/bn)] (all 448)."""
+    *lead, k, n = w.shape
+    bk, bn = (k, 1) if block is None else block
+    kp, np_ = math.ceil(k / bk) * bk, math.ceil(n / bn) * bn
+    wf = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, kp - k), (0, np_ - n)])
+    amax = jnp.max(jnp.abs(wf.reshape(*lead, kp // bk, bk, np_ // bn, bn)), axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    full = jnp.repeat(jnp.repeat(scale, bk, axis=-2), bn, axis=-1)[..., :k, :n]
+    return Fp8Weight((w.astype(jnp.float32) / full).astype(jnp.float8_e4m3fn), scale, (bk, bn))
 
 
 def _check_int4(path: str, shape: tuple[int, ...], rep: Rep) -> None:
@@ -146,14 +175,17 @@ def quantize_leaf(x: Any, rep: Rep, path: str = "?", hessian=None) -> Any:
         return w.astype(to_dtype(rep.kind))
     if w.ndim < 2:
         raise PolicyError(f"{path}: cannot quantize a {w.ndim}-D tensor to {rep}")
+    *lead, k, n = w.shape
     if rep.kind == "fp8":
-        return _fp8(w, rep.block)
+        bk, bn = (k, 1) if rep.block is None else rep.block
+        return _fp8(w, rep.block, _full((*lead, math.ceil(k / bk), math.ceil(n / bn)), _E4M3_MAX))
     _check_int4(path, w.shape, rep)
     if rep.method == "gptq" and hessian is not None:
         from phaseserve.quant.calibrate import gptq_int4  # calibrate imports this module
 
         return gptq_int4(w, hessian, rep.group_size, rep.scale_dtype)
-    return _rtn_int4(w, rep.group_size, to_dtype(rep.scale_dtype).type)
+    qmax = _full((*lead, k // rep.group_size, 1, n), _INT4_MAX)
+    return _rtn_int4(w, rep.group_size, to_dtype(rep.scale_dtype).type, qmax)
 
 
 def quantize_params(params: Any, policy: str | QuantPolicy, calibration: Any = None) -> Any:

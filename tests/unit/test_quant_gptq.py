@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import phaseserve as ps
-from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4, quantize_int4, unpack_int4
+from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4, unpack_int4
 from phaseserve import presets
 from phaseserve.model.layers import rms_norm
 from phaseserve.model.params import abstract_params, map_infos
-from phaseserve.quant import PolicyError, quantize_params
+from phaseserve.quant import PolicyError, Rep, quantize_leaf, quantize_params
 from phaseserve.quant.calibrate import collect_calibration, gptq_int4
 
 forward = jax.jit(ps.forward, static_argnums=1)
@@ -61,7 +61,7 @@ def test_gptq_with_identity_hessian_is_rtn():
     """A diagonal Hessian leaves nothing to compensate: GPTQ's codes must be RTN's (bf16 scales, group 32)."""
     w = jax.random.normal(jax.random.key(0), (128, 96))
     got = gptq_int4(w, (np.eye(128), np.asarray(10)), 32, "bfloat16")
-    want = quantize_int4(w, 32, jnp.bfloat16)
+    want = quantize_leaf(w, Rep("int4", 32, "bfloat16"))  # phaseserve's RTN
     assert got.scale.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got.packed), np.asarray(want.packed))
     np.testing.assert_allclose(np.asarray(got.scale, np.float32), np.asarray(want.scale, np.float32), rtol=1e-6)
 
@@ -74,7 +74,7 @@ def test_gptq_beats_rtn_on_a_matrix_with_outlier_inputs():
     calib, held_out = outlier_inputs(rng, 2048, mix, channels), outlier_inputs(rng, 512, mix, channels)
     h = calib.astype(np.float64).T @ calib.astype(np.float64)
     for g in (32, 128):
-        rtn = quantize_int4(jnp.asarray(w), g)
+        rtn = quantize_leaf(jnp.asarray(w), Rep("int4", g))
         gptq = gptq_int4(jnp.asarray(w), (h, np.asarray(len(calib))), g)
         assert isinstance(gptq, Int4Weight) and gptq.packed.shape == rtn.packed.shape
         codes = np.asarray(unpack_int4(gptq))
