@@ -158,6 +158,8 @@ class Published:
 PUBLISHED: dict[tuple[str, str], Published] = {
     ("glm-5", "glm-fp8"): Published(705.0, "GLM-5-FP8: design target (DESIGN.md) ~705; 753.9B stored values"),
     ("glm-5", "kimi-int4"): Published(421.0, "GLM-5 INT4 (routed experts int4 g32 + bf16 scales, rest bf16) ~421"),
+    ("glm-5", "bfloat16"): Published(1507e9 / 2**30, "cross-check: 'GLM-5.2 BF16 (1507 GB)' in a GLM-5.2-NVFP4 model "
+                                                      "card; GLM-5.2 has GLM-5's glm_moe_dsa shapes"),
     ("kimi-k2.6", "kimi-int4"): Published(554.0, "moonshotai/Kimi-K2.6 files ~595 GB = ~554 GiB (incl. ~0.9 GB "
                                                  "vision tower not modelled here)"),
 }
