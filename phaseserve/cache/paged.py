@@ -149,6 +149,29 @@ def slot_indices(page_table: jax.Array, positions: jax.Array, valid: jax.Array, 
     return jnp.where(ok, page * page_size + positions % page_size, num_pages * page_size)
 
 
+def write_prequantized(layer: GQAPages | MLAPages, parts: list[tuple[jax.Array, jax.Array | None]],
+                       page_table: jax.Array, positions: jax.Array, valid: jax.Array) -> GQAPages | MLAPages:
+    """Scatter tokens already in the storage dtype into one layer's pages (no re-quantization).
+
+    parts: ``[(values, scale | None)]`` -- MLA one pair ([B, T, W], [B, T]); GQA two pairs, K then V
+    ([B, T, KV, hd], [B, T, KV]); page_table i32[B, P]; positions i32[B, T]; valid bool[B, T] (False: nothing).
+    The prefill->decode handoff uses this directly: prompts are quantized on the prefill mesh.
+    """
+    data0 = _pairs(layer)[0][0]
+    n, s = data0.shape[:2]
+    flat = slot_indices(page_table, positions, valid, n, s).reshape(-1)
+    out = []
+    for (data, scale), (q, sc) in zip(_pairs(layer), parts, strict=True):
+        tail = data.shape[2:]
+        data = data.reshape(n * s, *tail).at[flat].set(q.reshape(-1, *tail).astype(data.dtype), mode="drop"
+                                                      ).reshape(data.shape)
+        if scale is not None:
+            scale = scale.reshape(n * s, *tail[:-1]).at[flat].set(sc.reshape(-1, *tail[:-1]), mode="drop")
+            scale = scale.reshape(data.shape[:-1])
+        out.append((data, scale))
+    return _rebuild(layer, out)
+
+
 def write_layer(layer: GQAPages | MLAPages, kv: Any, page_table: jax.Array, positions: jax.Array,
                 valid: jax.Array) -> GQAPages | MLAPages:
     """Quantize and scatter tokens into one layer's pages.
@@ -156,19 +179,8 @@ def write_layer(layer: GQAPages | MLAPages, kv: Any, page_table: jax.Array, posi
     kv: GQA ``(k, v)`` each [B, T, KV, hd], or the MLA latent [B, T, W]; page_table i32[B, P];
     positions i32[B, T] (sequence position of each token); valid bool[B, T] (False: write nothing).
     """
-    data0 = _pairs(layer)[0][0]
-    n, s = data0.shape[:2]
-    flat = slot_indices(page_table, positions, valid, n, s).reshape(-1)
-    out = []
-    for (data, scale), x in zip(_pairs(layer), _values(layer, kv), strict=True):
-        q, sc = quantize_kv(x, data.dtype)
-        tail = data.shape[2:]
-        data = data.reshape(n * s, *tail).at[flat].set(q.reshape(-1, *tail), mode="drop").reshape(data.shape)
-        if scale is not None:
-            scale = scale.reshape(n * s, *tail[:-1]).at[flat].set(sc.reshape(-1, *tail[:-1]), mode="drop")
-            scale = scale.reshape(data.shape[:-1])
-        out.append((data, scale))
-    return _rebuild(layer, out)
+    parts = [quantize_kv(x, data.dtype) for (data, _), x in zip(_pairs(layer), _values(layer, kv), strict=True)]
+    return write_prequantized(layer, parts, page_table, positions, valid)
 
 
 def write_prompt(pool: PagePool, kvs: list[Any], page_table: jax.Array, lengths: jax.Array,

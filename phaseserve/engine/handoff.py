@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from phaseserve.cache.paged import GQAPages, MLAPages, PagePool, slot_indices
+from phaseserve.cache.paged import PagePool, write_prequantized
 
 
 class Handoff(Protocol):
@@ -32,32 +32,6 @@ class InProcessHandoff:
     def transfer(self, kvq: list, dst: jax.sharding.Sharding) -> list:
         self.bytes_moved += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))
         return jax.device_put(kvq, dst)
-
-
-def write_prequantized(layer: GQAPages | MLAPages, parts: list, page_table: jax.Array, positions: jax.Array,
-                       valid: jax.Array) -> GQAPages | MLAPages:
-    """Scatter already-quantized tokens into one layer's pages (no re-quantization).
-
-    parts: ``[(values, scale | None)]`` -- MLA one pair [B, T, W] / [B, T]; GQA two pairs (K, V) [B, T, KV, hd] /
-    [B, T, KV]; page_table i32[B, P]; positions i32[B, T]; valid bool[B, T].
-    """
-    data0 = layer.latent if isinstance(layer, MLAPages) else layer.k
-    n, s = data0.shape[:2]
-    flat = slot_indices(page_table, positions, valid, n, s).reshape(-1)
-
-    def put(dst: jax.Array | None, x: jax.Array | None) -> jax.Array | None:
-        if dst is None:
-            return None
-        tail = dst.shape[2:]
-        return dst.reshape(n * s, *tail).at[flat].set(x.reshape(-1, *tail).astype(dst.dtype), mode="drop"
-                                                     ).reshape(dst.shape)
-
-    if isinstance(layer, MLAPages):
-        (lat, sc), = parts
-        return layer.replace(latent=put(layer.latent, lat), scale=put(layer.scale, sc))
-    (k, ks), (v, vs) = parts
-    return layer.replace(k=put(layer.k, k), v=put(layer.v, v), k_scale=put(layer.k_scale, ks),
-                         v_scale=put(layer.v_scale, vs))
 
 
 def scatter_prompts(pool: PagePool, kvq: list, page_table: jax.Array, lengths: jax.Array,
