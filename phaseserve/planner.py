@@ -450,6 +450,128 @@ def check_published(assumptions: Assumptions | None = None, **overrides: Any) ->
     return rows
 
 
+# Published throughput figures. A roofline is an upper bound (no communication, launch or scheduling costs), so
+# these are shown beside the roofline for scale and for their *ratios*; they are not asserted.
+@dataclass(frozen=True)
+class Throughput:
+    name: str
+    published: float
+    deploy: dict  # plan() arguments
+    phase: str  # "decode" (tok/s at `concurrency`) | "prefill" (prompt tok/s)
+    concurrency: int = 1
+
+
+PUBLISHED_THROUGHPUT: tuple[Throughput, ...] = (
+    Throughput("GLM-5 FP8 weights, decode tok/s at concurrency 1", 60, {**_GLM, "weights": "fp8", "kv": "fp8"},
+               "decode"),
+    Throughput("GLM-5 INT4 weights, decode tok/s at concurrency 1", 92, {**_GLM, "weights": "int4", "kv": "fp8"},
+               "decode"),
+    Throughput("GLM-5 FP8 weights, prefill prompt tok/s", 10_160, {**_GLM, "weights": "fp8", "kv": "fp8"}, "prefill"),
+    Throughput("GLM-5 INT4 weights, prefill prompt tok/s", 8_660, {**_GLM, "weights": "int4", "kv": "fp8"},
+               "prefill"),
+    Throughput("Kimi K2.6 BF16 KV, decode tok/s at 32 requests", 1_558,
+               {"model": "kimi-k2.6", "gpu": "h200", "num_gpus": 8, "weights": "int4", "kv": "bf16"}, "decode", 32),
+    Throughput("Kimi K2.6 FP8 KV, decode tok/s at 64 requests", 2_192,
+               {"model": "kimi-k2.6", "gpu": "h200", "num_gpus": 8, "weights": "int4", "kv": "fp8"}, "decode", 64),
+)
+
+
+SENSITIVITY: tuple[dict[str, Any], ...] = (
+    {}, {"reserve_gib": 8.0}, {"reserve_gib": 11.0}, {"reserve_gib": 13.0}, {"reserve_gib": 16.0},
+    {"hbm_utilization": 0.95}, {"include_indexer": False}, {"load_mtp": False}, {"page_size": 16},
+    {"mla_latent_replicated": False},
+)
+
+
+def sensitivity(variations: tuple[dict[str, Any], ...] = SENSITIVITY) -> list[dict[str, Any]]:
+    """Error of every published capacity figure when one assumption departs from the defaults."""
+    rows = []
+    for v in variations:
+        errs = check_published(**v)
+        rows.append({"change": ", ".join(f"{k}={x}" for k, x in v.items()) or "(defaults)"}
+                    | {f"#{i + 1}": f"{100 * r['error']:+.1f}%" for i, r in enumerate(errs)}
+                    | {"all within 3%": all(abs(r["error"]) < 0.03 for r in errs)})
+    return rows
+
+
+def throughput_vs_published(prompt_len: int = 8192, output_len: int = 1024, assumptions: Assumptions | None = None,
+                            **overrides: Any) -> list[dict[str, Any]]:
+    """Roofline numbers beside :data:`PUBLISHED_THROUGHPUT` (decode at the workload's mean context)."""
+    rows = []
+    for f in PUBLISHED_THROUGHPUT:
+        d = deployment(**f.deploy, assumptions=assumptions, **overrides)
+        if f.phase == "prefill":
+            value = d.prefill(prompt_len)["prompt_tok_s"]
+        else:
+            value = d.decode(f.concurrency, prompt_len + output_len // 2)["tok_s"]
+        rows.append({"figure": f.name, "published": f.published, "roofline": value,
+                     "roofline / published": value / f.published})
+    return rows
+
+
+def capacity_report(models: list[str], gpus: list[str], num_gpus: int | dict[str, int], weights: list[str],
+                    kvs: list[str], prompt_len: int, output_len: int, concurrencies: list[int],
+                    compare_models: list[str] = (), compare_gpus: list[str] = (),
+                    assumptions: Assumptions | None = None, **overrides: Any) -> tuple[dict[str, Any], str]:
+    """Every planner table for a set of deployments: ``(json-able dict, markdown)``.
+
+    ``num_gpus`` is one count or ``{"default": n, "<model>": m}``. ``compare_*`` adds KV tokens of those models
+    (INT4 weights, FP8 KV) on each of ``compare_gpus``.
+    """
+    a = _assumptions(assumptions, overrides)
+    counts = num_gpus if isinstance(num_gpus, dict) else {"default": num_gpus}
+
+    def n_for(m: str) -> int:
+        return int(counts.get(m, counts.get("default", 8)))
+
+    out: dict[str, Any] = {"assumptions": a.to_dict(), "workload": {"prompt_len": prompt_len,
+                                                                  "output_len": output_len}}
+    out["published_capacity"] = check_published(a)
+    out["published_throughput"] = throughput_vs_published(prompt_len, output_len, a)
+    cap, dec, pre = [], [], []
+    for m in models:
+        for g in gpus:
+            for w in weights:
+                for kv in kvs:
+                    p = plan(m, g, n_for(m), w, kv, prompt_len=prompt_len, output_len=output_len, assumptions=a)
+                    wl = p.pop("workload")
+                    cap.append({k: p[k] for k in ("model", "gpu", "num_gpus", "weights", "kv", "checkpoint_gib",
+                                                  "weight_gib_per_device", "kv_bytes_per_token",
+                                                  "kv_budget_gib_per_device", "kv_tokens")}
+                               | {"admitted_reserve": wl["admitted_reserve"],
+                                  "admitted_on_demand": wl["admitted_on_demand"]})
+                    d = deployment(m, g, n_for(m), w, kv, a)
+                    curve = d.decode_curve(concurrencies, prompt_len, output_len)
+                    dec.append({"model": m, "gpu": g, "weights": w, "kv": kv}
+                               | {f"c={r['concurrency']}": r["tok_s"] if r["fits_kv"] else None for r in curve})
+                pr = deployment(m, g, n_for(m), w, kvs[0], a).prefill(prompt_len)
+                pre.append({"model": m, "gpu": g, "weights": w, "prompt_tok_s": pr["prompt_tok_s"],
+                            "seconds_per_prompt": pr["seconds"]})
+    out["capacity"], out["decode_tok_s"], out["prefill"] = cap, dec, pre
+    out["by_hardware"] = [
+        {k: p[k] for k in ("model", "gpu", "num_gpus", "weights", "kv", "weight_gib_per_device", "fits",
+                           "kv_tokens")}
+        for m in compare_models for g in compare_gpus for p in [plan(m, g, n_for(m), "int4", "fp8", assumptions=a)]]
+    out["hardware"] = [dataclasses.asdict(h) for h in HARDWARE.values()]
+
+    out["sensitivity"] = sensitivity()
+    pct = [{"#": i + 1, **r, "error": f"{100 * r['error']:+.2f}%"} for i, r in enumerate(out["published_capacity"])]
+    md = [f"## Published capacity figures vs the planner (one assumption set)\n\n{markdown_table(pct)}",
+          "## Sensitivity: the published figures (#) when one assumption changes\n\n"
+          + markdown_table(out["sensitivity"]),
+          f"## Capacity (workload {prompt_len} + {output_len} tokens)\n\n{markdown_table(cap)}",
+          f"## Roofline decode tok/s per replica vs concurrency (context {prompt_len} + {output_len // 2}; "
+          f"— = exceeds the KV cache under on-demand admission)\n\n{markdown_table(dec)}",
+          f"## Roofline prefill ({prompt_len}-token prompts, one replica)\n\n{markdown_table(pre)}",
+          "## Published throughput vs the roofline (upper bounds; not asserted)\n\n"
+          + markdown_table(out["published_throughput"])]
+    if out["by_hardware"]:
+        md.append(f"## KV tokens by hardware (INT4 weights, FP8 KV)\n\n{markdown_table(out['by_hardware'])}")
+    md.append(f"## Hardware specs\n\n{markdown_table(out['hardware'])}")
+    md.append("## Assumptions\n\n" + markdown_table([{"assumption": k, "value": v} for k, v in a.to_dict().items()]))
+    return out, "\n\n".join(md) + "\n"
+
+
 def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     """A markdown table of ``rows`` (floats to 4 significant digits, large numbers with thousands separators)."""
     if not rows:
@@ -457,9 +579,11 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None)
     columns = columns or list(rows[0])
 
     def fmt(v: Any) -> str:
-        if isinstance(v, bool) or v is None:
+        if v is None:
+            return "—"
+        if isinstance(v, bool):
             return str(v)
-        if isinstance(v, int) or (isinstance(v, float) and abs(v) >= 1e4):
+        if isinstance(v, int) or (isinstance(v, float) and abs(v) >= 1e3):
             return f"{v:,.0f}"
         if isinstance(v, float):
             return f"{v:.4g}"

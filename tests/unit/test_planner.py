@@ -206,3 +206,33 @@ def test_typed_errors():
     with pytest.raises(planner.PlannerError):
         d.decode(0, 100)
     assert issubclass(planner.PlannerError, ConfigError)
+
+
+def test_capacity_report_tables_match_plan():
+    data, md = planner.capacity_report(["moonlight-16b-a3b"], ["h200"], {"default": 1}, ["fp8", "int4"], ["fp8"],
+                                       4096, 512, [1, 64], compare_models=["glm-5"], compare_gpus=["h100", "b200"])
+    row = data["capacity"][1]
+    ref = planner.plan("moonlight-16b-a3b", "h200", 1, "int4", "fp8")
+    assert row["weights"] == "int4" and row["kv_tokens"] == ref["kv_tokens"] > 0
+    assert data["sensitivity"][0]["change"] == "(defaults)" and data["sensitivity"][0]["all within 3%"]
+    assert [r["gpu"] for r in data["by_hardware"]] == ["h100", "b200"]
+    for title in ("Published capacity figures", "Sensitivity", "Roofline decode", "Roofline prefill",
+                  "Published throughput", "KV tokens by hardware", "Hardware specs", "Assumptions"):
+        assert f"## {title}" in md
+
+
+def test_experiment_entry_point(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "experiments" / "capacity.py"), "models=[moonlight-16b-a3b]",
+           "compare_models=[]", "kv=[fp8]", "concurrencies=[1,8]", f"hydra.run.dir={tmp_path}",
+           "+assumptions.reserve_gib=4"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    assert data["assumptions"]["reserve_gib"] == 4
+    assert data["capacity"][0]["model"] == "moonlight-16b-a3b"
+    assert (tmp_path / "capacity.md").read_text().startswith("## Published capacity figures")
