@@ -5,6 +5,7 @@ Public API (see DESIGN.md):
 - ``load_checkpoint(path, dtype)`` -> ``(cfg, params)``; ``init_params(cfg, key, dtype)``
 - ``forward(params, cfg, tokens)`` -> logits
 - ``Engine(cfg, params, ServeConfig(...)).generate([Request(...)])`` -> ``RequestOutput``s
+- ``planner.plan(model, gpu, num_gpus, weights, kv)`` -> capacity / roofline dict
 - config dataclasses: ``ModelConfig``, ``QuantConfig``, ``CacheConfig``, ``MeshConfig``, ``ServeConfig``
 """
 
@@ -27,6 +28,7 @@ from phaseserve.model.loader import (
     load_checkpoint,
 )
 from phaseserve.model.params import Params, abstract_params, init_params
+from phaseserve import planner  # noqa: E402  (capacity and roofline model: ps.planner.plan(...))
 from phaseserve.model.transformer import forward, prefill
 
 __all__ = [
