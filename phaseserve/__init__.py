@@ -9,6 +9,7 @@ Public API (see DESIGN.md):
 - config dataclasses: ``ModelConfig``, ``QuantConfig``, ``CacheConfig``, ``MeshConfig``, ``ServeConfig``
 """
 
+from phaseserve import planner  # capacity and roofline model: ps.planner.plan(...)
 from phaseserve.config import (
     CacheConfig,
     ConfigError,
@@ -28,11 +29,11 @@ from phaseserve.model.loader import (
     load_checkpoint,
 )
 from phaseserve.model.params import Params, abstract_params, init_params
-from phaseserve import planner  # noqa: E402  (capacity and roofline model: ps.planner.plan(...))
 from phaseserve.model.transformer import forward, prefill
 
 __all__ = [
-    "CacheConfig", "CheckpointError", "Engine", "Request", "RequestError", "RequestOutput", "ConfigError", "MeshConfig", "MissingTensorError", "ModelConfig", "Params",
-    "QuantConfig", "SequenceTooLongError", "ServeConfig", "ShapeMismatchError", "UnexpectedTensorError",
-    "UnsupportedArchitectureError", "abstract_params", "forward", "init_params", "load_checkpoint", "prefill",
+    "CacheConfig", "CheckpointError", "ConfigError", "Engine", "MeshConfig", "MissingTensorError", "ModelConfig",
+    "Params", "QuantConfig", "Request", "RequestError", "RequestOutput", "SequenceTooLongError", "ServeConfig",
+    "ShapeMismatchError", "UnexpectedTensorError", "UnsupportedArchitectureError", "abstract_params", "forward",
+    "init_params", "load_checkpoint", "planner", "prefill",
 ]
