@@ -24,6 +24,8 @@ is checked against each tensor's scale shape.
 
 :func:`load_quantized_checkpoint` reads any HF directory (plain, FP8 or pack-quantized) through
 ``phaseserve.model.loader.load_checkpoint``'s reader hook and can convert the result to another policy.
+Kimi K2.5/K2.6's multimodal wrapper is unwrapped (``language_model.`` prefix dropped, vision tower skipped).
+FP8 tensors are read from the safetensors bytes directly (its numpy/flax readers do not decode F8_E4M3).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -51,6 +54,8 @@ from phaseserve.model.params import ArrayInfo, Params
 from phaseserve.quant.policy import QuantPolicy
 
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
+_LM_PREFIX = "language_model."
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 _COMPONENTS = ("_packed", "_scale_inv", "_scale", "_shape", "_zero_point", "_g_idx")
 
 
@@ -114,11 +119,23 @@ def fp8_to_hf(w: Fp8Weight) -> tuple[np.ndarray, np.ndarray]:
 # ---- the reader hook -------------------------------------------------------------------------------------
 class QuantizedTensorStore(TensorStore):
     """A :class:`TensorStore` that presents ``X.weight_packed/_scale/_shape`` and ``X.weight_scale_inv`` under
-    the plain name ``X.weight`` (so the loader's missing/unexpected checks work on logical tensors)."""
+    the plain name ``X.weight`` (so the loader's missing/unexpected checks work on logical tensors).
+
+    Multimodal wrappers (Kimi K2.5/K2.6 ``KimiK25ForConditionalGeneration``) are unwrapped: a
+    ``language_model.`` prefix is dropped and vision tensors (``vision_tower.``, ``mm_projector.``,
+    ``multi_modal_projector.``) are skipped; ``quantization_config`` may sit in ``text_config``."""
 
     def __init__(self, directory: Path):
         super().__init__(directory)
-        self.raw = set(self.weight_map)
+        self.file_name: dict[str, str] = {}  # logical name -> name in the file
+        weight_map = {}
+        for n, f in self.weight_map.items():
+            if n.startswith(_VISION_PREFIXES):
+                continue
+            logical = n[len(_LM_PREFIX):] if n.startswith(_LM_PREFIX) else n
+            weight_map[logical], self.file_name[logical] = f, n
+        self.weight_map = weight_map
+        self.raw = set(weight_map)
         hf = json.loads((self.dir / "config.json").read_text())
         hf = hf.get("text_config", hf) if not hf.get("quantization_config") else hf
         self.qcfg = hf.get("quantization_config") or {}
@@ -138,21 +155,26 @@ class QuantizedTensorStore(TensorStore):
     def has(self, name: str) -> bool:
         return name in self.raw
 
+    def _slice(self, name: str):
+        return self._handle(name).get_slice(self.file_name[name])
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.raw and name + "_shape" in self.raw:
             return tuple(int(s) for s in np.asarray(self.get(name + "_shape")).reshape(-1))
-        return super().shape(name)
+        return tuple(self._slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        """As :meth:`TensorStore.get`, plus FP8 tensors, which safetensors' numpy/flax readers do not decode:
-        those are read straight from the file (header offsets) as ``ml_dtypes.float8_e4m3fn``."""
-        dtype = self._handle(name).get_slice(name).get_dtype()
+        """Host numpy array; FP8 tensors, which safetensors' numpy/flax readers do not decode, are read
+        straight from the file (header offsets) as ``ml_dtypes.float8_e4m3fn``."""
+        fname = self.file_name[name]
+        dtype = self._slice(name).get_dtype()
         if dtype not in _RAW_DTYPES:
-            return super().get(name)
+            with jax.default_device(jax.devices("cpu")[0]):
+                return np.asarray(self._handle(name).get_tensor(fname))
         path = self.dir / self.weight_map[name]
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            meta = json.loads(f.read(n))[name]
+            meta = json.loads(f.read(n))[fname]
         start, end = meta["data_offsets"]
         raw = np.fromfile(path, np.uint8, count=end - start, offset=8 + n + start)
         return raw.view(_RAW_DTYPES[dtype]).reshape(meta["shape"])

@@ -192,6 +192,25 @@ def test_ct_int4_checkpoint_equals_direct_quantization(hf_dir, tmp_path):
     assert list(shape) == ref["model.layers.1.mlp.experts.3.gate_proj.weight_shape"].tolist()
 
 
+def test_kimi_k25_multimodal_wrapper(hf_dir, tmp_path):
+    """K2.5/K2.6 ship the language model under ``language_model.`` inside a multimodal wrapper (config in
+    ``text_config``) next to a vision tower: the text model loads exactly as the unwrapped checkpoint."""
+    write_ct_int4(hf_dir, tmp_path / "int4")
+    inner = json.loads((tmp_path / "int4" / "config.json").read_text())
+    d = tmp_path / "k26"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                               "model_type": "kimi_k25", "text_config": inner}))
+    tensors = {"language_model." + k: v for k, v in load_file(str(tmp_path / "int4" / "model.safetensors")).items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.rand(8, 3, 2, 2) + 0.5
+    tensors["mm_projector.proj.0.weight"] = torch.rand(8, 8) + 0.5
+    save_file(tensors, str(d / "model.safetensors"))
+    cfg, wrapped = load_quantized_checkpoint(d, dtype="bfloat16")
+    _, plain = load_quantized_checkpoint(tmp_path / "int4", dtype="bfloat16")
+    assert cfg.num_experts == 8 and isinstance(wrapped.layers[1].mlp.w_up, Int4Weight)
+    _assert_same_tree(wrapped, plain)
+
+
 def test_ct_int4_with_compressed_tensors_scale_rule(hf_dir, tmp_path):
     """Scales chosen by compressed-tensors' own observer (amax / 7.5): the loaded weight dequantizes to
     exactly the file's ``q * scale``, whatever rule produced it."""
