@@ -91,7 +91,7 @@ def main() -> None:
                 overhead = summary
                 continue
             h_tps, h_tok = run_hf(hf, reqs)
-            agree = np.mean([a == b for x, y in zip(e_tok, h_tok) for a, b in zip(x, y)])
+            agree = np.mean([a == b for x, y in zip(e_tok, h_tok, strict=True) for a, b in zip(x, y, strict=True)])
             rows.append((conc, e_tps, h_tps, e_tps / h_tps, agree))
             print(f"concurrency {conc}: engine {e_tps:.1f} tok/s, transformers {h_tps:.1f} tok/s, "
                   f"ratio {e_tps / h_tps:.2f}x, greedy agreement {agree:.3f}", flush=True)
