@@ -34,11 +34,10 @@ requests = [ps.Request(id=f"r{i}", prompt=list(range(1 + i, 20 + 3 * i)), max_to
 requests.append(ps.Request(id="bad", prompt=[], max_tokens=4))  # rejected alone with a typed error
 
 
-def corrupt_r3(eng, rows, state={"done": False}):
+def corrupt_r3(eng, rows):
     """Before the 3rd decode step, point r3's first page-table entry at a free page (a bookkeeping bug)."""
-    if not state["done"] and eng.metrics.decode_steps == 2:
+    if eng.metrics.decode_steps == 2:
         FaultInjector(eng.tables).point_at_free_page("r3", 0)
-        state["done"] = True
 
 
 engine.fault_hooks.append(corrupt_r3)
