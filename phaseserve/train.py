@@ -4,9 +4,10 @@ shared expert and a dense first layer) on the byte-level mixture of :mod:`phases
 - :class:`TrainConfig` / :class:`ModelShape` — every knob (Hydra's ``configs/train.yaml`` mirrors them);
 - :func:`hf_config` — the Hugging Face ``config.json`` dict of the model; ``ModelConfig.from_hf_config`` of it is
   the config trained, so the exported checkpoint describes exactly what was trained;
-- :func:`train_forward` — the same function as ``ps.forward`` (a test checks it), but every routed expert is
-  computed densely and weighted by the (mostly zero) routing weights, which on a CPU is faster than the ragged
-  dispatch for 8 small experts, and it also returns each MoE layer's expert load;
+- :func:`train_forward` — the same function as ``ps.forward`` (a test checks it) with a dispatch that trains
+  fast on a CPU (where ``ragged_dot`` is slow): capacity-limited expert buffers (factor 2: an assignment is
+  dropped only when its expert gets more than twice its share of the batch), or every expert densely
+  (exact); it also returns each MoE layer's expert load and dropped fraction;
 - auxiliary-loss-free balancing (DeepSeek-V3): after each step every MoE layer's ``e_score_correction_bias``
   moves by ``bias_update_rate`` against the sign of its experts' over-/under-load (it gets no gradient);
 - :func:`train` — AdamW with linear warmup and cosine decay, orbax checkpoints every ``ckpt_every`` steps
@@ -36,7 +37,7 @@ from phaseserve.model.layers import mlp, rms_norm
 from phaseserve.model.loader import hf_sources, leaf_path
 from phaseserve.model.moe import route
 from phaseserve.model.params import MLPParams, MoEParams, Params, abstract_params, is_info
-from phaseserve.model.transformer import embed, logits_from_hidden
+from phaseserve.model.transformer import embed, forward, logits_from_hidden
 
 
 @dataclass
@@ -78,7 +79,8 @@ class TrainConfig:
     weight_decay: float = 0.1  # on matrices only
     b2: float = 0.95
     grad_clip: float = 1.0
-    bias_update_rate: float = 1e-3  # DeepSeek-V3 gamma for e_score_correction_bias
+    bias_update_rate: float = 1e-2  # DeepSeek-V3's gamma for e_score_correction_bias (1e-3 there, over far more steps)
+    capacity_factor: float | None = 2.0  # training-time expert capacity (None: all experts densely, exact)
     log_every: int = 10
     eval_every: int = 100
     ckpt_every: int = 100
@@ -141,12 +143,40 @@ def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Arr
     return jnp.einsum("end,ne->nd", y, gates).astype(x.dtype)
 
 
-def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """tokens i32[B, T] -> (logits f32[B, T, V], expert load f32[num_moe_layers, E] as fractions of assignments)."""
+def capacity_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                     factor: float) -> tuple[jax.Array, jax.Array]:
+    """Capacity-limited dispatch: each expert takes at most ``C = ceil(factor * N * k / E)`` assignments (in
+    token order) into an [E, C, D] buffer for one batched matmul; the rest are dropped (the token keeps its
+    shared expert and residual). Exact whenever no expert overflows (always when ``factor >= E / k``).
+
+    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], dropped fraction of assignments f32[])."""
+    n, k = idx.shape
+    e = cfg.num_experts
+    cap = int(np.ceil(factor * n * k / e))
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = jnp.bincount(flat, length=e)
+    rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[expert]
+    keep = rank < cap
+    slot = jnp.where(keep, expert * cap + rank, e * cap)  # overflow goes to a discarded extra row
+    token = order // k
+    buf = jnp.zeros((e * cap + 1, x.shape[1]), x.dtype).at[slot].set(x[token])[:-1].reshape(e, cap, -1)
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, p.w_gate)) * jnp.einsum("ecd,edf->ecf", buf, p.w_up)
+    y = jnp.einsum("ecf,efd->ecd", h, p.w_down).reshape(e * cap, -1)
+    y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])[slot]
+    y = y * (weights.reshape(-1)[order] * keep)[:, None]
+    return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype), jnp.sum(~keep) / keep.size
+
+
+def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float | None = None,
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """tokens i32[B, T] -> (logits f32[B, T, V], {"load": f32[num_moe_layers, E] (fractions of assignments),
+    "dropped": f32[num_moe_layers]}). ``capacity_factor`` None runs every expert densely (exact)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)
-    loads = []
+    loads, dropped = [], []
     for layer in params.layers:
         out, _ = attention_mla.forward(layer.attn, cfg, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, None)
         x = x + out
@@ -156,12 +186,16 @@ def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> tuple[
             continue
         hf = h.reshape(-1, h.shape[-1])
         w, idx = route(layer.mlp, cfg, hf)
-        y = dense_experts(layer.mlp, cfg, hf, w, idx)
+        if capacity_factor is None:
+            y, drop = dense_experts(layer.mlp, cfg, hf, w, idx), jnp.float32(0)
+        else:
+            y, drop = capacity_experts(layer.mlp, cfg, hf, w, idx, capacity_factor)
         if layer.mlp.shared is not None:
             y = y + mlp(layer.mlp.shared, hf)
         x = x + y.reshape(h.shape)
         loads.append(jnp.bincount(idx.reshape(-1), length=cfg.num_experts) / idx.size)
-    return logits_from_hidden(params, cfg, x), jnp.stack(loads)
+        dropped.append(drop)
+    return logits_from_hidden(params, cfg, x), {"load": jnp.stack(loads), "dropped": jnp.stack(dropped)}
 
 
 def masked_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -193,17 +227,18 @@ def make_step(cfg: ModelConfig, c: TrainConfig, opt: optax.GradientTransformatio
     """The jitted step: (params, opt_state, tokens i32[B, T+1], mask f32[B, T]) -> (params, opt_state, stats)."""
 
     def loss_fn(params, tokens, mask):
-        logits, loads = train_forward(params, cfg, tokens[:, :-1])
-        return masked_nll(logits, tokens[:, 1:], mask), loads
+        logits, aux = train_forward(params, cfg, tokens[:, :-1], c.capacity_factor)
+        return masked_nll(logits, tokens[:, 1:], mask), aux
 
     @jax.jit
     def step(params, opt_state, tokens, mask):
-        (loss, loads), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, mask)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, mask)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        params = update_correction_bias(params, loads, c.bias_update_rate)
-        stats = {"loss": loss, "grad_norm": optax.global_norm(grads),
-                 "max_load": jnp.max(loads) * cfg.num_experts}  # 1.0 = perfectly balanced
+        params = update_correction_bias(params, aux["load"], c.bias_update_rate)
+        stats = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                 "max_load": jnp.max(aux["load"]) * cfg.num_experts,  # 1.0 = perfectly balanced
+                 "dropped": jnp.mean(aux["dropped"])}
         return params, opt_state, stats
 
     return step
@@ -229,7 +264,7 @@ def make_eval(cfg: ModelConfig, seq_len: int):
     text = eval_windows("heldout", seq_len, num=32)
     text_mask = np.ones((text.shape[0], seq_len), np.float32)
     tool, tool_mask = tool_completion_batch(32, min(seq_len, 192))
-    loss = jax.jit(lambda p, t, m: masked_nll(train_forward(p, cfg, t[:, :-1])[0], t[:, 1:], m))
+    loss = jax.jit(lambda p, t, m: masked_nll(train_forward(p, cfg, t[:, :-1])[0], t[:, 1:], m))  # exact, no drops
 
     def evaluate(params) -> dict[str, float]:
         return {"heldout_text_loss": float(loss(params, text, text_mask)),
@@ -276,11 +311,18 @@ def _checkpointer(c: TrainConfig):
 
 
 def train(c: TrainConfig, log=print) -> dict:
-    """Train (resuming from ``c.ckpt_dir`` when it holds a checkpoint), then export and evaluate.
+    """:func:`fit`, then :func:`finish`: export, evaluate the exported model, write results and the plot.
 
     Returns the run summary (also written to ``<results_dir>/results.json``); the per-step history goes to
     ``history.json`` and the loss curve to ``loss_curve.png`` in ``results_dir``.
     """
+    params, history = fit(c, log)
+    return finish(c, params, history, log)
+
+
+def fit(c: TrainConfig, log=print) -> tuple[Params, dict]:
+    """The training loop, resuming from ``c.ckpt_dir`` when it holds a checkpoint. Returns the final float32
+    params and the history ``{"train": [...], "eval": [...], "wall_s"}``."""
     import orbax.checkpoint as ocp
 
     cfg = model_config(c.model)
@@ -313,7 +355,7 @@ def train(c: TrainConfig, log=print) -> dict:
             rec = {"step": done, **{k: float(v) for k, v in stats.items()}, "wall_s": wall0 + time.time() - t0}
             history["train"].append(rec)
             log(f"step {done:5d}  loss {rec['loss']:.4f}  |g| {rec['grad_norm']:.3f}  "
-                f"max load {rec['max_load']:.2f}  {rec['wall_s']:.0f}s")
+                f"max load {rec['max_load']:.2f}  dropped {rec['dropped']:.3f}  {rec['wall_s']:.0f}s")
         if done % c.eval_every == 0 or done == c.steps:
             ev = {"step": done, **evaluate(params)}
             history["eval"].append(ev)
@@ -324,7 +366,7 @@ def train(c: TrainConfig, log=print) -> dict:
             mngr.wait_until_finished()
             (Path(c.ckpt_dir) / "history.json").write_text(json.dumps(history))
     history["wall_s"] = wall0 + time.time() - t0
-    return finish(c, params, history, log)
+    return params, history
 
 
 def plot_history(history: dict, path: str | Path) -> Path:
@@ -362,11 +404,13 @@ def plot_history(history: dict, path: str | Path) -> Path:
 
 def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     """Export the trained model, reload it the way users do and evaluate the shipped (exported) weights."""
-    from phaseserve.eval.generation import evaluate_tool_calls, greedy_generate_fn, heldout_perplexity
+    from phaseserve.eval.cached_decode import cached_greedy_generate_fn
+    from phaseserve.eval.generation import evaluate_tool_calls, heldout_perplexity
     from phaseserve.model.loader import load_checkpoint
 
     out = export_hf(params, c.model, c.export_dir, c.export_dtype)
     cfg, shipped = load_checkpoint(out, "float32")
+    logits_fn = jax.jit(lambda p, t: forward(p, cfg, t))
     res = Path(c.results_dir)
     res.mkdir(parents=True, exist_ok=True)
     summary: dict = {
@@ -374,13 +418,13 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
         "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shipped)),
         "wall_s": history["wall_s"],
         "final_train_loss_10step_mean": float(np.mean([h["loss"] for h in history["train"][-10:]])),
-        "heldout_text": heldout_perplexity(shipped, cfg),
+        "heldout_text": heldout_perplexity(shipped, cfg, logits_fn=logits_fn),
         "train_text": heldout_perplexity(shipped, cfg, eval_windows("train", min(256, cfg.max_position_embeddings),
-                                                                    num=64)),
+                                                                    num=64), logits_fn=logits_fn),
         "checkpoint_bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
     }
     if c.final_tool_eval:
-        gen = greedy_generate_fn(shipped, cfg, batch_size=32)
+        gen = cached_greedy_generate_fn(shipped, cfg, batch_size=50)
         t0 = time.time()
         report = evaluate_tool_calls(gen, examples(c.final_tool_eval, "heldout", seed=1))
         summary["tool_calls"] = {**report.as_dict(), "failures": report.failures, "eval_s": time.time() - t0}

@@ -1,6 +1,8 @@
 """Quality evaluation: metrics on logits and generations, and generation-based evaluation (held-out
 perplexity, tool-call validity and exact match, greedy agreement) against a pluggable ``generate_fn``."""
 
+from phaseserve.eval.cached_decode import cached_greedy_generate_fn
+from phaseserve.eval.demo import default_model_path, show_default_model
 from phaseserve.eval.generation import (
     GenerateFn,
     ToolCallReport,
@@ -23,7 +25,8 @@ from phaseserve.eval.metrics import (
 )
 
 __all__ = [
-    "GenerateFn", "ToolCallReport", "engine_generate_fn", "evaluate_tool_calls", "first_divergence",
-    "generation_agreement", "greedy_generate_fn", "heldout_perplexity", "kl_divergence", "mean_nll", "perplexity",
-    "score_tool_calls", "sequence_match_rate", "token_match_rate", "token_nll", "top1_agreement",
+    "GenerateFn", "ToolCallReport", "cached_greedy_generate_fn", "default_model_path", "engine_generate_fn",
+    "evaluate_tool_calls", "first_divergence", "generation_agreement", "greedy_generate_fn", "heldout_perplexity",
+    "kl_divergence", "mean_nll", "perplexity", "score_tool_calls", "sequence_match_rate", "show_default_model",
+    "token_match_rate", "token_nll", "top1_agreement",
 ]

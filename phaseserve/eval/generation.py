@@ -4,8 +4,9 @@ below or the serving engine (``Engine.generate`` wrapped by :func:`engine_genera
 ``GenerateFn``: ``generate_fn(prompts, max_tokens) -> list[list[int]]`` takes token-id prompts and returns,
 for each, the generated ids only (not the prompt), ending with the stop token when one was produced.
 
-- :func:`greedy_generate_fn` — the reference: greedy decoding by full recompute with ``ps.forward`` (no
-  cache) inside one jitted ``while_loop`` over a fixed padded buffer, so one compile serves a whole batch;
+- :func:`greedy_generate_fn` — the oracle: greedy decoding by full recompute with ``ps.forward`` (no
+  cache) inside one jitted ``while_loop`` over a fixed padded buffer, so one compile serves a whole batch
+  (``phaseserve.eval.cached_decode.cached_greedy_generate_fn`` is the fast equivalent for MLA models);
 - :func:`heldout_perplexity` — perplexity on fixed held-out windows of standard-library text;
 - :func:`evaluate_tool_calls` — tool-call validity and exact match on held-out requests;
 - :func:`generation_agreement` — token / sequence match between two generators on the same prompts.

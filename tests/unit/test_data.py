@@ -1,0 +1,219 @@
+"""Data for the default model: byte tokenizer round trips, corpus split and batch determinism, the tool-call
+generator and held-out split, the JSON Schema validator (accepts every generated call, rejects mutated ones),
+and reading calls back out of generated tokens."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phaseserve.data import (
+    TOOLS,
+    VOCAB_SIZE,
+    ByteTokenizer,
+    Mixture,
+    ToolExample,
+    examples,
+    extract_call,
+    parse_call,
+    sample_example,
+    stdlib_files,
+    validate,
+    validate_call,
+)
+from phaseserve.data.corpus import Peekable, eval_windows, pack_examples, split_of_file
+from phaseserve.data.toolcalls import split_of
+
+TOK = ByteTokenizer()
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_round_trip_any_text(text):
+    ids = TOK.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert TOK.decode(ids) == text
+    wrapped = TOK.encode(text, bos=True, eos=True)
+    assert wrapped[0] == TOK.bos_id and wrapped[-1] == TOK.eos_id
+    assert TOK.decode(wrapped, skip_special=True) == text
+    assert TOK.encode_array(text).tolist() == ids
+
+
+def test_special_markers_in_text_stay_bytes():
+    text = "a <tool_call>{}</tool_call> <eos>"
+    ids = TOK.encode(text)
+    assert max(ids) < 256 and TOK.decode(ids) == text
+    mixed = [TOK.bos_id, *TOK.encode("x"), TOK.tool_start_id, *TOK.encode("{}"), TOK.tool_end_id, TOK.eos_id]
+    assert TOK.decode(mixed) == "<bos>x<tool_call>{}</tool_call><eos>"
+    assert TOK.decode(mixed, skip_special=True) == "x{}"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=64))
+def test_decode_never_fails_on_model_output(ids):
+    """A model can emit any id sequence, including invalid UTF-8; decode must still return text."""
+    out = TOK.decode(ids)
+    assert isinstance(out, str)
+    assert TOK.decode(ids, skip_special=True) == TOK.decode([i for i in ids if i < 256])
+
+
+def test_vocab_and_description(tmp_path):
+    assert VOCAB_SIZE % 8 == 0 and VOCAB_SIZE >= 256 + 5
+    assert len(set(TOK.special_ids.values())) == 5 and min(TOK.special_ids.values()) == 256
+    TOK.save(tmp_path)
+    assert ByteTokenizer.load(tmp_path) == TOK
+    with pytest.raises(ValueError, match="byte-level"):
+        ByteTokenizer.from_json({"type": "bpe"})
+    with pytest.raises(ValueError):
+        ByteTokenizer(vocab_size=260)
+
+
+# ---- corpus -------------------------------------------------------------------------------------------
+def test_stdlib_split_is_disjoint_and_complete():
+    train, held, every = stdlib_files("train"), stdlib_files("heldout"), stdlib_files("all")
+    assert set(train).isdisjoint(held) and sorted(set(train) | set(held)) == every
+    assert 0.02 < len(held) / len(every) < 0.1
+    assert stdlib_files("heldout") == held  # deterministic order
+    assert all(split_of_file(p.name) in ("train", "heldout") for p in held[:3])
+    with pytest.raises(ValueError):
+        stdlib_files("validation")
+
+
+def test_mixture_batches_are_deterministic_per_step():
+    seed = random.randrange(1000)
+    mix = Mixture(batch_size=8, seq_len=128, tool_fraction=0.5, seed=seed)
+    a, ma = mix.batch(7)
+    b, mb = Mixture(batch_size=8, seq_len=128, tool_fraction=0.5, seed=seed).batch(7)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(ma, mb)
+    assert a.shape == (8, 129) and ma.shape == (8, 128) and a.dtype == np.int32
+    assert not np.array_equal(a, mix.batch(8)[0])
+    assert not np.array_equal(a, Mixture(batch_size=8, seq_len=128, tool_fraction=0.5, seed=seed + 1).batch(7)[0])
+    np.testing.assert_array_equal(ma, (a[:, 1:] != TOK.pad_id).astype(np.float32))
+    assert a.min() >= 0 and a.max() < VOCAB_SIZE
+
+
+def test_tool_rows_hold_whole_examples_then_padding():
+    rng = random.Random(random.randrange(10**6))
+    exs = [sample_example(rng) for _ in range(20)]
+    row = pack_examples(Peekable(ex.ids(TOK) for ex in exs), 256, TOK)
+    assert row.shape == (257,)
+    used = int(np.argmax(row == TOK.pad_id)) if (row == TOK.pad_id).any() else len(row)
+    assert (row[used:] == TOK.pad_id).all()
+    k, total = 0, 0
+    while total + len(exs[k].ids(TOK)) <= used:
+        total += len(exs[k].ids(TOK))
+        k += 1
+    assert k >= 1 and total == used  # exactly the first k examples, none cut
+    assert row[:used].tolist() == sum((ex.ids(TOK) for ex in exs[:k]), [])
+    assert used + len(exs[k].ids(TOK)) > 257  # the next one would not have fit
+
+
+def test_eval_windows_are_fixed():
+    w = eval_windows("heldout", 64, num=8)
+    assert w.shape == (8, 65)
+    np.testing.assert_array_equal(w, eval_windows("heldout", 64, num=8))
+
+
+# ---- tool-call examples and split ---------------------------------------------------------------------
+def test_examples_deterministic_and_heldout_never_in_training():
+    seed = random.randrange(10**6)
+    held = examples(50, "heldout", seed)
+    assert [e.request for e in held] == [e.request for e in examples(50, "heldout", seed)]
+    assert len({e.request for e in held}) == 50
+    assert all(split_of(e.request) == "heldout" for e in held)
+    train = examples(500, "train", seed + 1, unique=False)
+    assert {e.request for e in train}.isdisjoint(e.request for e in held)
+    assert {e.call["name"] for e in train} == set(TOOLS)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31))
+def test_every_generated_call_is_valid_and_round_trips(seed):
+    ex = sample_example(random.Random(seed))
+    assert validate_call(ex.call) == []
+    ids = ex.ids(TOK)
+    assert ids[: len(ex.prompt_ids(TOK))] == ex.prompt_ids(TOK)
+    call, errors = parse_call(ex.completion_ids(TOK), TOK)
+    assert errors == [] and call == ex.call
+    assert json.loads(extract_call(ids, TOK)) == ex.call
+
+
+# ---- validator --------------------------------------------------------------------------------------
+def _mutations(call: dict, rng: random.Random) -> list[dict]:
+    """Invalid variants of a valid call, one schema rule broken in each."""
+    args, schema = call["arguments"], TOOLS[call["name"]]
+    out = []
+    required = rng.choice(schema["required"])
+    c = copy.deepcopy(call)
+    del c["arguments"][required]
+    out.append(c)
+    c = copy.deepcopy(call)
+    c["arguments"]["extra_" + str(rng.randrange(100))] = 1
+    out.append(c)
+    c = copy.deepcopy(call)
+    c["name"] = call["name"] + "_v2"
+    out.append(c)
+    key = rng.choice(sorted(args))
+    c = copy.deepcopy(call)
+    c["arguments"][key] = [args[key]] if rng.random() < 0.5 else None  # wrong type
+    out.append(c)
+    out.append({"name": call["name"]})
+    out.append([call])
+    out.append({**copy.deepcopy(call), "id": 3})
+    return out
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31))
+def test_validator_rejects_mutated_calls(seed):
+    rng = random.Random(seed)
+    ex = sample_example(rng)
+    for bad in _mutations(ex.call, rng):
+        assert validate_call(bad), bad
+
+
+@pytest.mark.parametrize("args, ok", [
+    ({"minutes": 5}, True), ({"minutes": 5.0}, True), ({"minutes": 5.5}, False), ({"minutes": True}, False),
+    ({"minutes": 0}, False), ({"minutes": 1441}, False), ({"minutes": "5"}, False), ({}, False),
+])
+def test_validator_integer_rules(args, ok):
+    assert (validate_call({"name": "set_timer", "arguments": args}) == []) == ok
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("bob@example.com", True), ("li.wei@mail.org", True), ("Bob@example.com", False), ("bob@example", False),
+    ("bob example.com", False), ("", False),
+])
+def test_validator_pattern(value, ok):
+    call = {"name": "send_email", "arguments": {"to": value, "subject": "hi"}}
+    assert (validate_call(call) == []) == ok
+
+
+def test_validator_enum_number_and_unsupported_type():
+    schema = TOOLS["convert_currency"]
+    assert validate({"amount": 12.5, "from": "USD", "to": "EUR"}, schema) == []
+    assert validate({"amount": -1, "from": "USD", "to": "EUR"}, schema)
+    assert validate({"amount": 3, "from": "usd", "to": "EUR"}, schema)
+    assert validate({"amount": "3", "from": "USD", "to": "EUR"}, schema)
+    with pytest.raises(ValueError, match="subset"):
+        validate([], {"type": "array"})
+
+
+def test_parse_call_errors():
+    assert parse_call(TOK.encode("no call here"), TOK)[1] == ["no <tool_call> in the generation"]
+    bad = [TOK.tool_start_id, *TOK.encode('{"name": "set_timer", "argu'), TOK.eos_id]
+    call, errors = parse_call(bad, TOK)
+    assert call is None and errors[0].startswith("not JSON")
+    unterminated = [TOK.tool_start_id, *TOK.encode('{"name": "set_timer", "arguments": {"minutes": 3}}')]
+    assert parse_call(unterminated, TOK) == ({"name": "set_timer", "arguments": {"minutes": 3}}, [])
+    ex = ToolExample("x", {"name": "search_web", "arguments": {"query": "q"}})
+    assert parse_call([*TOK.encode("preamble "), *ex.completion_ids(TOK)], TOK) == (ex.call, [])
