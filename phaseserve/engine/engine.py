@@ -103,7 +103,7 @@ class Engine:
         self.max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
-        self.outputs: dict[str, RequestOutput] = {}
+        self.outputs: dict[str, RequestOutput] = {}  # this run's outputs by id (an id may be reused once finished)
         self._seqs: dict[str, Sequence] = {}
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
         self._compile(attn_impl)
@@ -127,8 +127,8 @@ class Engine:
         out.metrics.arrival = time.perf_counter()
         out.metrics.num_prompt_tokens = len(req.prompt) if isinstance(req.prompt, (list, tuple)) else 0
         try:
-            if req.id in self._seqs or req.id in self.outputs:
-                raise DuplicateRequestError(f"request id {req.id!r} is already in use")
+            if req.id in self._seqs:
+                raise DuplicateRequestError(f"request id {req.id!r} is already in flight")
             validate(req, self.cfg.vocab_size, self.max_context)
             if self.scheduler.max_pages_ever(req) > self.num_pages - 1:
                 raise InvalidParameterError(f"request {req.id!r} needs {self.scheduler.max_pages_ever(req)} pages; "
@@ -294,6 +294,12 @@ class Engine:
             self.step()
         self.metrics.end = time.perf_counter()
         return outs
+
+    def reset_metrics(self) -> None:
+        """Start a new measurement run: clear the run counters and the finished outputs (nothing in flight)."""
+        self.metrics = RunMetrics()
+        self.outputs = {k: v for k, v in self.outputs.items() if k in self._seqs}
+        self.scheduler.lookup_pages = self.scheduler.hit_pages = 0
 
     def summary(self) -> dict:
         return self.metrics.summary(list(self.outputs.values()), self.scheduler.lookup_pages,

@@ -182,3 +182,15 @@ def test_noop_tracker_adds_nothing_to_the_decode_step(mla):
 
     enabled = jaxpr(IntegrityTracker(eng.allocator), ok=np.ones(b, bool))
     assert enabled != without  # the enabled hooks do change the step: the comparison can fail
+
+
+def test_ids_are_reusable_once_finished_and_runs_measure_separately(mla):
+    cfg, params = mla
+    eng = ps.Engine(cfg, params, serve_config())
+    reqs = random_requests(cfg.vocab_size, 3, seed=12)
+    first = eng.generate(reqs)
+    eng.reset_metrics()
+    assert eng.summary()["requests"] == 0 and eng.summary()["decode_steps"] == 0
+    second = eng.generate(reqs)  # same ids: fine once the first ones finished
+    assert _tokens(first) == _tokens(second) and all(o.finish_reason == "length" for o in second)
+    assert eng.summary()["requests"] == 3
