@@ -185,9 +185,7 @@ class Engine:
         """Run one scheduling round; returns the ``(request_id, token)`` pairs produced."""
         events: list[tuple[str, int]] = []
         res = self.scheduler.schedule()
-        for seq in res.preempted:
-            seq.num_prompt = len(seq.tokens) - 1  # recompute: prefill all but the pending token
-            self.metrics.preemptions += 1
+        self.metrics.preemptions += len(res.preempted)
         if res.admitted:
             self._run_prefill(res.admitted, events)
         if self.scheduler.running:

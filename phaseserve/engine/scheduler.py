@@ -130,6 +130,8 @@ class Scheduler:
         for i, h in enumerate(page_hashes(seq.tokens, self.page_size, seq.request.tenant, full)):
             if h not in self.prefix or alloc.tags[self.prefix[h][0]] != self.prefix[h][1]:
                 self.prefix[h] = (owned[i], int(alloc.tags[owned[i]]))
+        if len(self.prefix) > 2 * alloc.num_pages:  # drop entries whose page was freed or reissued since
+            self.prefix = {h: (p, t) for h, (p, t) in self.prefix.items() if alloc.tags[p] == t}
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -156,13 +158,15 @@ class Scheduler:
         victim = max(self.running, key=lambda s: s.admitted_order)
         self.running.remove(victim)
         self.tables.release(victim.id)
+        victim.num_prompt = len(victim.tokens) - 1  # recompute: prefill all but the pending input token
         victim.output.metrics.preemptions += 1
         self.waiting.appendleft(victim)
         result.preempted.append(victim)
         return True
 
     def schedule(self) -> ScheduleResult:
-        """Grow running requests (on_demand, preempting if short), then admit waiting ones FCFS."""
+        """Grow running requests (on_demand, preempting if short), then admit waiting ones FCFS -- but not in a
+        round that had to preempt: memory is short, and re-admitting the victim at once would only thrash."""
         result = ScheduleResult()
         if self.policy == "on_demand":
             for seq in sorted(self.running, key=lambda s: s.admitted_order):
@@ -171,7 +175,7 @@ class Scheduler:
                 while not self.tables.grow(seq.id, seq.next_position + 1, self.page_size):
                     if not self._preempt_one(result) or seq not in self.running:
                         break
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) < self.max_batch and not result.preempted:  # no thrashing
             seq = self.waiting[0]
             if not self._try_admit(seq):
                 break

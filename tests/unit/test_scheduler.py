@@ -1,0 +1,132 @@
+"""Scheduler (no JAX): admission by free pages under both policies, the concurrency cap, growth and preemption by
+recompute, tenant-salted prefix reuse, stale prefix entries, and a drain that frees every page."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from phaseserve.cache.allocator import PageAllocator, PageTables
+from phaseserve.engine.request import Request, RequestOutput
+from phaseserve.engine.scheduler import Scheduler, Sequence, page_hashes
+
+
+def make(num_pages=17, page_size=4, max_batch=8, policy="reserve", prefix=True):
+    tables = PageTables(PageAllocator(num_pages), max_pages_per_seq=16)
+    return Scheduler(tables, page_size, max_batch, policy, prefix)
+
+
+def seq(rid, prompt, max_tokens=4, tenant=""):
+    r = Request(id=rid, prompt=list(prompt), max_tokens=max_tokens, tenant=tenant)
+    return Sequence(request=r, output=RequestOutput(id=rid), tokens=list(prompt), num_prompt=len(prompt))
+
+
+def test_reserve_admits_by_whole_request_pages_and_respects_the_cap():
+    s = make(num_pages=17, max_batch=3)  # 16 usable pages
+    seqs = [seq(f"r{i}", range(7), max_tokens=6) for i in range(5)]  # 7 + 6 - 1 = 12 tokens -> 3 pages each
+    for q in seqs:
+        s.add(q)
+    res = s.schedule()
+    assert [q.id for q in res.admitted] == ["r0", "r1", "r2"]  # capped by max_batch, not pages
+    assert s.tables.allocator.num_free == 16 - 9
+    s.check_invariants()
+    s.max_batch = 8
+    res = s.schedule()
+    assert [q.id for q in res.admitted] == ["r3", "r4"] and s.tables.allocator.num_free == 1
+    for q in list(s.running):
+        s.finish(q)
+        s.check_invariants()
+    assert s.tables.allocator.num_free == 16
+
+
+def test_reserve_stops_at_the_head_of_the_queue_when_short():
+    s = make(num_pages=8)  # 7 usable
+    s.add(seq("big", range(20), max_tokens=9))  # 28 tokens -> 7 pages
+    s.add(seq("small", range(3), max_tokens=2))
+    assert [q.id for q in s.schedule().admitted] == ["big"]
+    assert s.schedule().admitted == [] and s.tables.allocator.num_free == 0  # FCFS: small waits behind nothing
+    s.finish(s.running[0])
+    assert [q.id for q in s.schedule().admitted] == ["small"]
+
+
+def test_on_demand_grows_and_preempts_the_newest_by_recompute():
+    s = make(num_pages=7, policy="on_demand")  # 6 usable pages of 4 tokens
+    a, b = seq("a", range(7), max_tokens=20), seq("b", range(7), max_tokens=20)
+    s.add(a)
+    s.add(b)
+    assert [q.id for q in s.schedule().admitted] == ["a", "b"]  # 2 pages each (7 prompt + 1 pending)
+    for step in range(12):
+        for q in s.running:
+            q.tokens.append(step)  # one decoded token each
+        res = s.schedule()
+        s.check_invariants()
+        if res.preempted:
+            break
+    assert [q.id for q in res.preempted] == ["b"] and [q.id for q in s.running] == ["a"]
+    assert list(s.waiting) == [b] and b.id not in s.tables and b.output.metrics.preemptions == 1
+    assert b.num_prompt == len(b.tokens) - 1  # it will be prefilled again up to its pending token
+    assert len(s.tables.owned("a")) * 4 >= a.next_position + 1
+
+
+def test_prefix_hits_need_the_same_tenant_and_a_live_page():
+    s = make(num_pages=33)
+    prefix = list(range(100, 112))  # three full pages
+    first = seq("p0", prefix + [1, 2])
+    s.add(first)
+    s.schedule()
+    s.register_prefix(first)
+    same, other = seq("p1", prefix + [3]), seq("p2", prefix + [3], tenant="acme")
+    s.add(same)
+    s.add(other)
+    s.schedule()
+    assert same.shared_pages == 3 and other.shared_pages == 0
+    assert s.tables.owned("p1")[:3] == s.tables.owned("p0")[:3]
+    assert s.tables.allocator.refcount[s.tables.owned("p0")[0]] == 2
+    s.check_invariants()
+    for q in list(s.running):
+        s.finish(q)
+    late = seq("p3", prefix + [4])
+    s.add(late)
+    s.schedule()
+    assert late.shared_pages == 0  # the pages were freed: stale entries are never honoured
+    s.finish(late)
+    assert s.tables.allocator.num_free == 32
+
+
+def test_hash_chain_depends_on_every_earlier_token_and_the_salt():
+    toks = list(range(12))
+    h = page_hashes(toks, 4, "", 3)
+    changed = page_hashes([99] + toks[1:], 4, "", 3)
+    assert all(x != y for x, y in zip(h, changed, strict=True))  # a change in page 0 changes every later hash
+    assert page_hashes(toks, 4, "t", 3)[0] != h[0]
+    assert page_hashes(toks + [5], 4, "", 3) == h
+
+
+def test_random_workload_drains_without_leaks():
+    rng = np.random.default_rng(0)
+    for policy in ("reserve", "on_demand"):
+        s = make(num_pages=25, max_batch=6, policy=policy)
+        pending = [seq(f"{policy}{i}", rng.integers(0, 5, rng.integers(1, 12)).tolist(),
+                       max_tokens=int(rng.integers(1, 10))) for i in range(30)]
+        for q in pending:
+            s.add(q)
+        for _ in range(400):
+            res = s.schedule()
+            for q in res.admitted:
+                s.register_prefix(q)
+            for q in res.preempted:
+                assert q.num_prompt == len(q.tokens) - 1
+            for q in list(s.running):
+                q.tokens.append(int(rng.integers(0, 5)))
+                if q.num_generated >= q.request.max_tokens:
+                    s.finish(q)
+            s.check_invariants()
+            if not s.running and not s.waiting:
+                break
+        assert not s.running and not s.waiting, policy
+        assert s.tables.allocator.num_free == 24 and (s.tables.allocator.refcount == 0).all()
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="admission policy"):
+        make(policy="greedy")
