@@ -1,0 +1,191 @@
+"""The prefill server process: batched prefill on its own mesh and weight representation, KV staged for pulls.
+
+One process, its own devices (on CPU: simulated host devices), its own copy of the weights in the *prefill*
+representation (``QuantConfig.prefill_weights``). Its loop::
+
+    drain the inbox  ->  answer pull requests ("serve": verify the descriptor, arm await_pull, reply)
+                     ->  prefill the queued prompts in length-sorted, power-of-two padded groups
+                         (the same grouping as the in-process engine, so shapes and tokens match it)
+                     ->  stage each prompt's KV (already quantized to the decode storage dtype, e.g. FP8)
+                         and send the router ("prefilled", rid, first_token, descriptor)
+                     ->  free staged KV whose TTL passed (the decode side died or never asked)
+
+A request whose first token already finishes it (``max_tokens == 1`` or a stop token) is not staged at all.
+Fault injection (``ServerSpec.faults``): ``arm_delay_s: {request_id: seconds}`` grants a pull at once but arms
+it only after the delay -- a slow wire, so a test can act while the transfer is in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from phaseserve.config import canonical_dtype, to_dtype
+from phaseserve.engine.engine import bucket
+from phaseserve.engine.prefill import PrefillBatch, prefill_step
+from phaseserve.engine.request import Request
+from phaseserve.quant.policy import phase_policy
+from phaseserve.quant.quantize import quantize_params
+from phaseserve.serving.protocol import ServerSpec, StaleDescriptorError, TransferDescriptor, error_tuple, exit_child
+from phaseserve.serving.transfer import StagingArea, deadline_after, start_endpoint
+from phaseserve.sharding import make_mesh, shard_params
+
+
+def first_token_finishes(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
+    """The engine's stop rule: ``"stop"`` on a stop/eos token, ``"length"`` at ``max_tokens``, else None."""
+    if token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids):
+        return "stop"
+    if num_generated >= req.max_tokens:
+        return "length"
+    return None
+
+
+def request_kv(kvq: list, row: int, length: int, page_size: int, device: jax.Device) -> list:
+    """Row ``row`` of a prefill batch's KV as flat leaves ``[T_r, ...]``, ``T_r`` = whole pages of ``length``."""
+    t_r = -(-length // page_size) * page_size
+    out = []
+    for x in jax.tree.leaves(kvq):
+        y = x[row, :t_r]
+        if y.shape[0] < t_r:  # the batch was padded to fewer positions than whole pages need
+            y = jnp.pad(y, [(0, t_r - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
+        out.append(jax.device_put(y, device))
+    return out
+
+
+class PrefillServer:
+    def __init__(self, spec: ServerSpec, inbox: Any, router_q: Any):
+        self.spec, self.inbox, self.router_q = spec, inbox, router_q
+        serve = spec.serve
+        self.cfg, params = spec.model.load()
+        devices = jax.local_devices()[: serve.mesh.prefill_tp]
+        self.mesh = make_mesh(devices, tp=serve.mesh.prefill_tp)
+        self.params = shard_params(self.cfg, quantize_params(params, phase_policy(serve.quant, "prefill")), self.mesh)
+        self.kv_dtype = canonical_dtype(serve.quant.kv_dtype)
+        kv_dt, pre_dt, cfg = to_dtype(self.kv_dtype), to_dtype(serve.quant.prefill_kv_dtype), self.cfg
+        self._prefill = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt, prefill_kv_dtype=pre_dt))
+        self.device = devices[0]
+        self.endpoint = start_endpoint(spec.bind, self.device)
+        self.staging = StagingArea(self.endpoint, spec.staging_pages, serve.cache.page_size, spec.staging_ttl_s)
+        self.pending: list[Request] = []
+        self.delayed: list[tuple[float, TransferDescriptor]] = []
+        self.stats = dict(prefill_batches=0, prefill_tokens=0, prefill_time=0.0, served=0, released=0)
+        self.running = True
+
+    # ---- messages -------------------------------------------------------------------------------------------
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "prompt":
+            self.pending.append(msg[1])
+        elif kind == "serve":
+            self._serve(msg[1])
+        elif kind == "release":
+            self.stats["released"] += int(self.staging.release(msg[1]))
+        elif kind == "stats":
+            self.router_q.put(("stats", "prefill", self.snapshot()))
+        elif kind == "shutdown":
+            self.running = False
+
+    def _serve(self, desc: TransferDescriptor) -> None:
+        delay = self.spec.faults.get("arm_delay_s", {}).get(desc.request_id)
+        try:
+            if delay:
+                self.staging.verify(desc).served = True  # granted now, armed later (a slow wire)
+                self.delayed.append((time.monotonic() + delay, desc))
+            else:
+                self.staging.serve(desc)
+            self.stats["served"] += 1
+            err = None
+        except StaleDescriptorError as e:
+            err = e
+        self.router_q.put(("serve_reply", desc.request_id, desc.uuid, error_tuple(err)))
+
+    def _arm_delayed(self) -> None:
+        now, keep = time.monotonic(), []
+        for due, desc in self.delayed:
+            entry = self.staging.entries.get(desc.uuid)
+            if due > now:
+                keep.append((due, desc))
+            elif entry is not None:
+                remaining = max(entry.expires - now, 0.1)
+                self.endpoint.await_pull(desc.uuid, entry.arrays, timeout=deadline_after(remaining))
+        self.delayed = keep
+
+    def snapshot(self) -> dict:
+        return dict(self.stats, staging_pages_in_use=self.staging.pages_in_use, staged=len(self.staging.entries),
+                    refused=dict(self.staging.refused), expired=self.staging.expired, address=self.staging.address,
+                    bytes_staged=self.staging.bytes_staged)
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+    def _groups(self, reqs: list[Request]) -> list[list[Request]]:
+        """Length-sorted groups under ``max_prefill_tokens`` padded tokens (as ``Engine._prefill_groups``)."""
+        groups, cur, cap = [], [], self.spec.serve.max_prefill_tokens
+        for r in sorted(reqs, key=lambda r: len(r.prompt)):
+            n = len(r.prompt)
+            if cur and bucket(len(cur) + 1) * bucket(n, 16) > max(cap, bucket(n, 16)):
+                groups.append(cur)
+                cur = []
+            cur.append(r)
+        return groups + ([cur] if cur else [])
+
+    def prefill_pending(self) -> None:
+        reqs, self.pending = self.pending, []
+        t0 = time.perf_counter()
+        ps_ = self.spec.serve.cache.page_size
+        for group in self._groups(reqs):
+            b, t = bucket(len(group)), bucket(max(len(r.prompt) for r in group), 16)
+            tokens, lengths = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
+            temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
+            seeds, steps = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+            for i, r in enumerate(group):
+                tokens[i, : len(r.prompt)] = r.prompt
+                lengths[i] = len(r.prompt)
+                temp[i], top_k[i], top_p[i], seeds[i] = r.temperature, r.top_k, r.top_p, r.seed
+            batch = PrefillBatch(tokens=tokens, lengths=lengths, temperature=temp, top_k=top_k, top_p=top_p,
+                                 seeds=seeds, steps=steps)
+            first, kvq = self._prefill(self.params, batch)
+            first = np.asarray(first)
+            self.stats["prefill_batches"] += 1
+            self.stats["prefill_tokens"] += int(lengths.sum())
+            for i, r in enumerate(group):
+                tok = int(first[i])
+                if first_token_finishes(r, tok, 1, self.cfg.eos_token_ids):
+                    self.router_q.put(("prefilled", r.id, tok, None))
+                    continue
+                leaves = request_kv(kvq, i, len(r.prompt), ps_, self.device)
+                desc = self.staging.stage(r.id, leaves, len(r.prompt), self.kv_dtype)
+                if desc is None:  # staging full: prefill it again later (rare; capacity is a config choice)
+                    self.pending.append(r)
+                    continue
+                self.router_q.put(("prefilled", r.id, tok, desc))
+        self.stats["prefill_time"] += time.perf_counter() - t0
+
+    # ---- loop ---------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.router_q.put(("ready", "prefill", self.staging.address))
+        while self.running:
+            msgs = []
+            try:
+                msgs.append(self.inbox.get(timeout=0.002 if (self.pending or self.delayed) else 0.05))
+                while True:
+                    msgs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for m in msgs:
+                self.handle(m)
+            if self.pending:
+                self.prefill_pending()
+            if self.delayed:
+                self._arm_delayed()
+            self.staging.expire()
+
+
+def serve_prefill(spec: ServerSpec, inbox: Any, router_q: Any) -> None:
+    """Process entry point (``multiprocessing`` spawn target)."""
+    server = PrefillServer(spec, inbox, router_q)
+    server.run()
+    exit_child(router_q)

@@ -1,0 +1,181 @@
+"""Control plane of multi-process serving: messages, transfer descriptors, typed errors, process launch.
+
+Three kinds of process talk over ``multiprocessing`` queues (spawn context), hub and spoke through the router::
+
+    router (parent)  --("prompt", Request)-------------------------->  prefill server
+                     <-("prefilled", rid, first_token, descriptor)---
+                     --("kv_ready", Request, first_token, descriptor)->  decode server
+    decode  --("serve", descriptor)--> router --> prefill     (ask the prefill side to arm the pull)
+    prefill --("serve_reply", rid, uuid, error)--> router --> decode   (granted: error None; else a refusal)
+    decode  --("pull", uuid, avals)==== jax.experimental.transfer (KV bytes, never through the queues) ====> prefill
+    decode  --("release", uuid)--> router --> prefill         (transfer landed: staging pages may be freed)
+    decode  --("tokens", [(rid, tok)]), ("finished", rid, reason, error)--> router
+
+The KV itself never crosses a queue: a :class:`TransferDescriptor` names where it is (the prefill server's
+transfer address, the pull ``uuid``), what it is (flat leaf shapes and dtypes, the prompt length), and which
+staging pages hold it with the tag each had when it was staged. The prefill side checks the descriptor when the
+pull is requested and arms ``await_pull`` only if it matches (see ``transfer.StagingArea``).
+
+Errors cross process boundaries as ``(class name, message)`` pairs and are rebuilt by :func:`rebuild_error`:
+exception objects with custom constructors do not pickle reliably.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaseserve.engine.request import CancelledError, RequestError
+
+
+# ---- typed errors ---------------------------------------------------------------------------------------
+class ServingError(RuntimeError):
+    """Base class of errors that end one request because of the multi-process machinery (not its input)."""
+
+
+class StaleDescriptorError(ServingError):
+    """The prefill side refused a transfer descriptor: unknown/consumed uuid, wrong tags, replay, wrong server."""
+
+    def __init__(self, message: str, kind: str = "stale"):
+        super().__init__(message)
+        self.kind = kind  # "unknown" | "stale_tag" | "replayed" | "wrong_server" | "mismatch"
+
+    def __reduce__(self):
+        return (StaleDescriptorError, (str(self), self.kind))
+
+
+class TransferTimeoutError(ServingError):
+    """A KV transfer (or the grant for it) did not complete before its deadline."""
+
+
+class PeerDeadError(ServingError):
+    """The process that held the request (or its KV) died."""
+
+
+ERRORS = {c.__name__: c for c in (ServingError, StaleDescriptorError, TransferTimeoutError, PeerDeadError,
+                                  CancelledError, RequestError)}
+
+
+def error_tuple(err: BaseException | None) -> tuple[str, str, str] | None:
+    """An exception as ``(class name, message, kind)`` for a queue."""
+    if err is None:
+        return None
+    return type(err).__name__, str(err), getattr(err, "kind", "")
+
+
+def rebuild_error(t: tuple[str, str, str] | None) -> Exception | None:
+    """Inverse of :func:`error_tuple` (unknown classes come back as :class:`ServingError`)."""
+    if t is None:
+        return None
+    name, msg, kind = t
+    if name == "StaleDescriptorError":
+        return StaleDescriptorError(msg, kind or "stale")
+    if name == "KVIntegrityError":
+        from phaseserve.cache.integrity import KVIntegrityError
+
+        e = KVIntegrityError("?", msg, kind or "tag")
+        e.args = (msg,)
+        return e
+    return ERRORS.get(name, ServingError)(msg)
+
+
+# ---- descriptors ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TransferDescriptor:
+    """Where one prompt's KV waits to be pulled, and the ownership it was staged under.
+
+    ``leaves``: the flat pytree leaves of the per-request KV, ``[(shape, dtype name)]`` in the order of
+    ``jax.tree.leaves(kvq)`` (per layer: values ``[T, ...]`` then the FP8 scale ``[T, ...]`` when scaled);
+    ``T = len(pages) * page_size`` -- whole staging pages cross the wire. ``server_id`` is the prefill server's
+    incarnation (a random 64-bit number drawn at start), so a descriptor from a dead server is never honoured
+    by its successor even if the uuid counter repeats.
+    """
+
+    request_id: str
+    uuid: int
+    address: str  # the prefill TransferServer's address
+    server_id: int
+    pages: tuple[int, ...]  # staging pages holding the KV
+    tags: tuple[int, ...]  # their tags when staged
+    length: int  # valid prompt tokens
+    page_size: int
+    kv_dtype: str
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in self.leaves)
+
+    def replace(self, **kw: Any) -> TransferDescriptor:
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class ModelSpec:
+    """How a server process gets its weights: an HF checkpoint directory, or an HF config dict + seed (random)."""
+
+    checkpoint: str | None = None
+    hf_config: dict | None = None
+    seed: int = 0
+    dtype: str = "float32"
+
+    def load(self):
+        import jax
+
+        import phaseserve as ps
+
+        if self.checkpoint:
+            return ps.load_checkpoint(self.checkpoint, dtype=self.dtype)
+        cfg = ps.ModelConfig.from_hf_config(dict(self.hf_config))
+        return cfg, ps.init_params(cfg, jax.random.key(self.seed), self.dtype)
+
+
+@dataclass
+class ServerSpec:
+    """Everything one server process needs (picklable; built by the router from one config)."""
+
+    model: ModelSpec
+    serve: Any  # phaseserve.config.ServeConfig
+    host_devices: int = 1  # CPU devices this process simulates (its mesh is built over them)
+    transfer_timeout_s: float = 10.0  # a grant + pull must land within this, else TransferTimeoutError
+    staging_ttl_s: float = 15.0  # prefill: staged KV nobody pulled (dead decode) is freed after this
+    staging_pages: int = 4096  # prefill: staging capacity in pages
+    bind: str = "127.0.0.1"  # transfer server bind host (a routable interface on real multi-host setups)
+    faults: dict = field(default_factory=dict)  # fault injection, e.g. {"arm_delay_s": {"r3": 2.0}}
+
+
+# ---- process launch -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def child_env(host_devices: int):
+    """Environment a spawned server inherits: JAX on CPU with ``host_devices`` simulated devices.
+
+    Spawned children read ``os.environ`` at start (before they import jax), so it is set around ``start()``.
+    On a real accelerator host set ``JAX_PLATFORMS`` yourself; only an unset value is filled in here.
+    """
+    keys = ("JAX_PLATFORMS", "XLA_FLAGS")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["JAX_PLATFORMS"] = os.environ.get("PHASESERVE_CHILD_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={host_devices}"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def exit_child(*queues) -> None:
+    """Flush our queues and leave without running interpreter teardown (the transfer server's threads may still
+    hold a pull that never comes; a normal exit would wait for them)."""
+    for q in queues:
+        with contextlib.suppress(Exception):
+            q.close()
+            q.join_thread()
+    os._exit(0)

@@ -1,0 +1,187 @@
+"""KV transfer between processes over ``jax.experimental.transfer``, with ownership checked on the serving side.
+
+Each server process starts one ``TransferServer`` (:func:`start_endpoint`). The prefill side *stages* each
+prompt's KV; the decode side *pulls* it into fresh buffers on its own devices and scatters it into its pages.
+
+Prefill side, :class:`StagingArea`. Staged KV is accounted in pages of a :class:`~phaseserve.cache.allocator.
+PageAllocator` (capacity, leak counting, and above all *tags*: every staging allocation gets a fresh tag that is
+never reused while held). The descriptor names those pages and tags. When the decode side asks for a pull,
+:meth:`StagingArea.verify` checks, in order: the server incarnation, that the uuid is still staged, that the
+request id matches, that every page still carries the descriptor's tag with a live reference, and that the
+entry was not already served (a replay). Only then is ``await_pull`` armed. Entries are freed when the decode
+side acknowledges the landed transfer (:meth:`release`) or when their TTL passes (a dead or slow peer);
+``await_pull`` is armed with the same deadline, so the transfer server drops its reference too.
+
+Why verify-then-arm instead of arming at staging time. Measured with jax 0.10.2 on CPU: a ``pull`` of a uuid
+that is not (or no longer) armed never completes -- the ``timeout`` argument of ``pull`` does not fire, and a
+pull issued after ``await_pull``'s own timeout hangs too. A replayed descriptor must therefore never reach
+``pull``: it is refused on the control plane with a typed :class:`StaleDescriptorError`, and the decode side
+enforces its own deadline by polling the pulled arrays' ``is_ready()`` (never touching an unready array).
+
+Decode side, :class:`PendingPull`. ``pull`` returns immediately with arrays that become ready when the bytes
+have landed, in buffers the transfer allocates (never inside the page pool). The pages a request was given stay
+held until the pull is *done*: landed and scattered, or abandoned at its deadline (after which its buffers are
+never scattered). A cancel during the transfer only marks the request; its pages are released at completion.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import transfer
+
+from phaseserve.cache.allocator import PageAllocator
+from phaseserve.serving.protocol import StaleDescriptorError, TransferDescriptor
+
+
+def start_endpoint(bind: str = "127.0.0.1", device: jax.Device | None = None) -> Any:
+    """One TransferServer for this process, listening on an ephemeral port of ``bind``."""
+    client = (device or jax.local_devices()[0]).client
+    return transfer.start_transfer_server(client, f"{bind}:0", [f"{bind}:0"])
+
+
+def deadline_after(seconds: float):
+    import datetime
+
+    return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+
+
+# ---- prefill side -----------------------------------------------------------------------------------------
+@dataclass
+class StagedKV:
+    descriptor: TransferDescriptor
+    arrays: list  # flat leaves, each [T, ...] on the prefill process's first device
+    expires: float  # time.monotonic() deadline
+    served: bool = False
+
+
+class StagingArea:
+    """Prompt KV waiting to be pulled, keyed by uuid; page-accounted and tag-checked (see module docstring)."""
+
+    def __init__(self, server: Any, num_pages: int, page_size: int, ttl_s: float):
+        self.server = server
+        self.address = server.address()
+        self.server_id = random.getrandbits(63)
+        self.allocator = PageAllocator(num_pages + 1)  # + the null page
+        self.page_size = page_size
+        self.ttl_s = ttl_s
+        self.entries: dict[int, StagedKV] = {}
+        self._uuid = random.getrandbits(40) << 20  # distinct ranges per incarnation; + a counter
+        self.refused: dict[str, int] = {}
+        self.expired = 0
+        self.bytes_staged = 0
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.allocator.num_used
+
+    def stage(self, request_id: str, leaves: list, length: int, kv_dtype: str) -> TransferDescriptor | None:
+        """Stage one request's KV (flat leaves ``[T, ...]``, ``T`` a multiple of the page size); ``None`` when
+        the staging area is full (the caller retries later)."""
+        n = leaves[0].shape[0] // self.page_size
+        pages = self.allocator.allocate(n)
+        if pages is None:
+            return None
+        self._uuid += 1
+        desc = TransferDescriptor(
+            request_id=request_id, uuid=self._uuid, address=self.address, server_id=self.server_id,
+            pages=tuple(pages), tags=tuple(int(self.allocator.tags[p]) for p in pages), length=length,
+            page_size=self.page_size, kv_dtype=kv_dtype,
+            leaves=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves))
+        self.entries[desc.uuid] = StagedKV(desc, leaves, time.monotonic() + self.ttl_s)
+        self.bytes_staged += desc.nbytes
+        return desc
+
+    def verify(self, desc: TransferDescriptor) -> StagedKV:
+        """The staged entry ``desc`` names, or a :class:`StaleDescriptorError` saying why it is not honoured."""
+        def refuse(kind: str, why: str):
+            self.refused[kind] = self.refused.get(kind, 0) + 1
+            return StaleDescriptorError(f"transfer of {desc.request_id!r} (uuid {desc.uuid}) refused: {why}", kind)
+
+        if desc.server_id != self.server_id:
+            raise refuse("wrong_server", "descriptor from another prefill server incarnation")
+        entry = self.entries.get(desc.uuid)
+        if entry is None:
+            raise refuse("unknown", "nothing staged under this uuid (already consumed, expired or never staged)")
+        mine = entry.descriptor
+        if mine.request_id != desc.request_id or mine.pages != desc.pages or mine.leaves != desc.leaves:
+            raise refuse("mismatch", "descriptor does not describe the staged entry")
+        pages = list(desc.pages)
+        a = self.allocator
+        if not ((a.tags[pages] == np.asarray(desc.tags, np.uint32)).all() and (a.refcount[pages] > 0).all()):
+            raise refuse("stale_tag", f"staging page tags {a.tags[pages].tolist()} != descriptor {list(desc.tags)}")
+        if entry.served:
+            raise refuse("replayed", "this descriptor was already served")
+        return entry
+
+    def serve(self, desc: TransferDescriptor) -> None:
+        """Verify ``desc`` and arm its pull (raises :class:`StaleDescriptorError` without arming anything)."""
+        entry = self.verify(desc)
+        entry.served = True
+        remaining = max(entry.expires - time.monotonic(), 0.1)
+        self.server.await_pull(desc.uuid, entry.arrays, timeout=deadline_after(remaining))
+
+    def release(self, uuid: int) -> bool:
+        """The decode side has the KV: free the entry and its pages (False if it was already gone)."""
+        entry = self.entries.pop(uuid, None)
+        if entry is None:
+            return False
+        self.allocator.free(list(entry.descriptor.pages))
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Free entries past their TTL (nobody pulled, or the puller never acknowledged); their request ids."""
+        now = time.monotonic() if now is None else now
+        dead = [u for u, e in self.entries.items() if e.expires <= now]
+        ids = [self.entries[u].descriptor.request_id for u in dead]
+        for u in dead:
+            self.release(u)
+        self.expired += len(dead)
+        return ids
+
+
+# ---- decode side ------------------------------------------------------------------------------------------
+def avals_for(desc: TransferDescriptor, sharding: jax.sharding.Sharding) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=sharding) for s, d in desc.leaves]
+
+
+@dataclass
+class PendingPull:
+    """One request's transfer on the decode side: pages held from admission until the transfer is done."""
+
+    descriptor: TransferDescriptor
+    deadline: float  # time.monotonic()
+    state: str = "requested"  # "requested" (waiting for the grant) -> "pulling" -> done
+    arrays: list | None = None
+    cancelled: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def ready(self) -> bool:
+        return self.arrays is not None and all(x.is_ready() for x in self.arrays)
+
+    def expired(self, now: float) -> bool:
+        return now >= self.deadline
+
+
+class Puller:
+    """Connections to prefill servers (one per address, reused) and the pull call."""
+
+    def __init__(self, server: Any, device: jax.Device):
+        self.server = server
+        self.sharding = jax.sharding.SingleDeviceSharding(device)
+        self._conns: dict[str, Any] = {}
+        self.bytes_pulled = 0
+
+    def pull(self, desc: TransferDescriptor) -> list:
+        conn = self._conns.get(desc.address)
+        if conn is None:
+            conn = self._conns[desc.address] = self.server.connect(desc.address)
+        out = conn.pull(desc.uuid, avals_for(desc, self.sharding))
+        self.bytes_pulled += desc.nbytes
+        return out
