@@ -1,0 +1,201 @@
+"""Side-by-side measurement: arms built in one process, runs interleaved, ratios paired within a repeat.
+
+The rule every experiment follows: a ratio between two representations is computed from runs made *in the same
+process*, one right after the other on the same requests, with the arm order rotated from point to point and
+repeat to repeat (so drift and background load hit every arm alike), and it is reported with its
+repeat-to-repeat spread. Absolute times are machine facts, not results.
+
+- :class:`Arm`: a name and the dotted config overrides that make it (``{"quant.kv": "float8_e4m3fn"}``).
+- :func:`build_engines`: one engine per arm from one set of weights, each warmed up (every shape compiled).
+- :func:`interleaved`: the sweep loop (repeats x points x rotated arms) with a progress bar; each record also
+  counts the compilations that happened during its timed run (should be 0 after the warmup).
+- :func:`aggregate` / :func:`paired`: medians with min/max per (arm, point), and per-repeat paired ratios.
+- :func:`environment`: date, machine, load, versions, git commit; stored with every result.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from phaseserve.bench.schema import REPO_ROOT, serve_config, with_overrides
+from phaseserve.bench.workload import check_fits, warmup
+from phaseserve.engine import Engine
+
+
+@dataclass
+class Arm:
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- compilation counter ----------------------------------------------------------------------------------
+class CompileCounter:
+    """Counts JAX lowerings (a new compilation or a persistent-cache load) through ``jax.monitoring``."""
+
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import jax
+
+        def listener(event: str, duration: float, **_: Any) -> None:
+            if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+                cls._count += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        cls.install()
+        return cls._count
+
+
+# ---- engines ----------------------------------------------------------------------------------------------
+def build_engines(cfg: DictConfig, model_cfg: Any, params: Any, arms: list[Arm], *, max_concurrency: int,
+                  workloads: Iterable[Any] = (), log: Callable[[str], None] = print) -> dict[str, Engine]:
+    """One engine per arm (same weights), each warmed up on every workload it will serve."""
+    engines = {}
+    for arm in arms:
+        t0 = time.perf_counter()
+        arm_cfg = with_overrides(cfg, arm.overrides)
+        serve = serve_config(arm_cfg, model_cfg)
+        eng = Engine(model_cfg, params, serve, attn_impl=str(cfg.engine.attn_impl))
+        runs = 0
+        for w in list(workloads) or [cfg.workload]:
+            check_fits(w, eng)
+            runs += warmup(eng, w, max_concurrency, model_cfg.vocab_size)
+        engines[arm.name] = eng
+        log(f"[{arm.name}] engine built and warmed up ({runs} warm-up runs, {eng.num_pages} pages) "
+            f"in {time.perf_counter() - t0:.1f}s")
+    return engines
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    k %= max(len(names), 1)
+    return names[k:] + names[:k]
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+def interleaved(engines: dict[str, Engine], points: list[Any], repeats: int,
+                run: Callable[[Engine, str, Any, int], dict], *, desc: str, progress: bool = True) -> list[dict]:
+    """For each repeat and point, run every arm once (order rotated); ``run(engine, arm, point, repeat)`` returns
+    a record dict. Adds ``arm``, ``point``, ``repeat``, ``order`` and ``compiles`` to each record."""
+    names = list(engines)
+    records = []
+    with progress_bar(repeats * len(points) * len(names), desc, progress) as bar:
+        for rep in range(repeats):
+            for j, point in enumerate(points):
+                for order, name in enumerate(rotated(names, rep + j)):
+                    bar.set_postfix_str(f"{name} @ {point} (repeat {rep + 1}/{repeats})")
+                    before = CompileCounter.count()
+                    rec = run(engines[name], name, point, rep)
+                    rec.update(arm=name, point=point, repeat=rep, order=order,
+                               compiles=CompileCounter.count() - before)
+                    records.append(rec)
+                    bar.update(1)
+    return records
+
+
+# ---- statistics -------------------------------------------------------------------------------------------
+def dig(record: dict, metric: str) -> float | None:
+    """``record["tpot"]["p95"]`` for ``metric="tpot.p95"``."""
+    v: Any = record
+    for part in metric.split("."):
+        if not isinstance(v, dict) or part not in v:
+            return None
+        v = v[part]
+    return None if v is None else float(v)
+
+
+def stats(values: list[float | None]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0, "rel_spread": None}
+    med = float(np.median(vals))
+    return {"median": med, "min": float(min(vals)), "max": float(max(vals)), "n": len(vals),
+            "rel_spread": (max(vals) - min(vals)) / med if med else None}
+
+
+def aggregate(records: list[dict], metrics: list[str]) -> dict[str, dict[Any, dict[str, dict]]]:
+    """``{arm: {point: {metric: stats}}}`` over repeats."""
+    out: dict[str, dict[Any, dict[str, dict]]] = {}
+    for rec in records:
+        out.setdefault(rec["arm"], {}).setdefault(rec["point"], {})
+    for arm, by_point in out.items():
+        for point in by_point:
+            rs = [r for r in records if r["arm"] == arm and r["point"] == point]
+            by_point[point] = {m: stats([dig(r, m) for r in rs]) for m in metrics}
+    return out
+
+
+def paired(records: list[dict], num: str, den: str, metric: str) -> dict[Any, dict]:
+    """Per point: stats of ``metric[num] / metric[den]`` computed within each repeat (adjacent runs)."""
+    out = {}
+    for point in dict.fromkeys(r["point"] for r in records):
+        ratios = []
+        for rep in sorted({r["repeat"] for r in records}):
+            a = [dig(r, metric) for r in records if (r["arm"], r["point"], r["repeat"]) == (num, point, rep)]
+            b = [dig(r, metric) for r in records if (r["arm"], r["point"], r["repeat"]) == (den, point, rep)]
+            if a and b and a[0] is not None and b[0]:
+                ratios.append(a[0] / b[0])
+        out[point] = stats(ratios) | {"values": ratios}
+    return out
+
+
+# ---- environment ------------------------------------------------------------------------------------------
+def _cmd(args: list[str]) -> str:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=10, cwd=REPO_ROOT).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def cpu_model() -> str:
+    for line in _cmd(["lscpu"]).splitlines():
+        if line.lower().startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    """Where and when a result was measured."""
+    import hydra
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "numpy": np.__version__,
+        "hydra": hydra.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in devices],
+        "accelerator": devices[0].device_kind if jax.default_backend() != "cpu" else None,
+        "git_commit": _cmd(["git", "rev-parse", "--short", "HEAD"]),
+    }

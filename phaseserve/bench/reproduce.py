@@ -1,0 +1,158 @@
+"""Experiment 5: run every experiment and write one report, published figures beside the measured ones.
+
+Each sub-experiment is composed from its own primary config (``configs/experiment/<name>.yaml``) with
+``experiment.overrides`` (for all) and ``experiment.per_experiment[<name>]`` applied, runs in this process,
+and writes its own directory (``<out>/<name>/`` or ``<subdir_root>/<name>/``). The capacity planner tables come
+from ``experiments/capacity.py`` (another module's entry point, imported and called with its own composed
+``configs/capacity.yaml``; its ``write_to`` is forced to null so nothing outside the output directory is written).
+The combined ``README.md`` and ``results.json`` hold the headline numbers and the runtimes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from phaseserve.bench import integrity, kv_dtype, weight_dtype
+from phaseserve.bench import report as rp
+from phaseserve.bench.measure import environment
+from phaseserve.bench.schema import REPO_ROOT, experiment_spec, repo_path
+
+RUNNERS = {"kv_dtype": kv_dtype.run, "weight_dtype": weight_dtype.run, "integrity": integrity.run}
+CAPACITY_SCRIPT = REPO_ROOT / "experiments" / "capacity.py"
+
+
+@dataclass
+class ReproduceSpec:
+    name: str = "reproduce"
+    experiments: list[str] = field(default_factory=lambda: ["kv_dtype", "weight_dtype", "integrity", "capacity"])
+    overrides: list[str] = field(default_factory=list)  # Hydra overrides for every experiment ("model=tiny_mla")
+    per_experiment: dict[str, list[str]] = field(default_factory=dict)  # extra overrides by experiment name
+    subdir_root: str | None = None  # null: <out>/<name>/; else <subdir_root>/<name>/ (e.g. "benchmarks")
+
+
+def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
+    spec: ReproduceSpec = experiment_spec(cfg, ReproduceSpec)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = repo_path(spec.subdir_root) if spec.subdir_root else out_dir
+    unknown = [e for e in spec.experiments if e not in RUNNERS and e != "capacity"]
+    if unknown:
+        raise ValueError(f"unknown experiments {unknown}; expected {sorted(RUNNERS) + ['capacity']}")
+    results: dict[str, Any] = {"experiment": "reproduce", "environment": environment(), "runs": {}}
+    for name in spec.experiments:
+        sub = (out_dir if name == "capacity" else root) / name  # capacity never writes outside this run's directory
+        overrides = (list(spec.overrides) if name != "capacity" else []) + list(spec.per_experiment.get(name, []))
+        t0 = time.perf_counter()
+        log(f"== {name} -> {sub} (overrides: {overrides})")
+        if name == "capacity":
+            res = run_capacity(sub, overrides)
+            if res is None:
+                log("capacity: experiments/capacity.py not found, skipped")
+                continue
+        else:
+            sub_cfg = compose(config_name=f"experiment/{name}", overrides=overrides)
+            res = RUNNERS[name](sub_cfg, sub, log=log)
+        results["runs"][name] = {"dir": os.path.relpath(sub, out_dir), "seconds": time.perf_counter() - t0,
+                                 "overrides": overrides, "headline": res.get("headline"),
+                                 "summary": _summary(name, res)}
+    rp.write_outputs(out_dir, cfg, results, _markdown(results))
+    log(f"reproduce: wrote {out_dir}")
+    return results
+
+
+def run_capacity(out_dir: Path, overrides: list[str]) -> dict | None:
+    """Call ``experiments/capacity.py``'s entry point on its composed config, writing into ``out_dir``."""
+    if not CAPACITY_SCRIPT.exists():
+        return None
+    modspec = importlib.util.spec_from_file_location("_phaseserve_capacity_entry", CAPACITY_SCRIPT)
+    mod = importlib.util.module_from_spec(modspec)
+    modspec.loader.exec_module(mod)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = compose(config_name="capacity", overrides=["write_to=null", *overrides], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(out_dir)
+    hc = HydraConfig.instance()
+    previous = hc.cfg
+    hc.set_config(cfg)
+    try:
+        task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        getattr(mod.main, "__wrapped__", mod.main)(task)
+    finally:
+        hc.cfg = previous
+    data = json.loads((out_dir / "capacity.json").read_text())
+    (out_dir / "README.md").write_text((out_dir / "capacity.md").read_text())
+    return {"headline": _capacity_headline(data), "data_keys": sorted(data)}
+
+
+def _capacity_headline(data: dict) -> dict:
+    rows = data.get("published_capacity") or []
+    errs = [abs(float(r["error"])) for r in rows if isinstance(r.get("error"), (int, float))]
+    return {"published_figures": len(rows), "within_3pct": sum(e <= 0.03 for e in errs),
+            "max_abs_error": max(errs) if errs else None}
+
+
+def _summary(name: str, res: dict) -> list[tuple[str, str, str]]:
+    """(result, published, measured) rows for the combined table."""
+    h = res.get("headline") or {}
+    rows: list[tuple[str, str, str]] = []
+    if name == "kv_dtype":
+        for arm, x in h.items():
+            ref = res["settings"]["reference"]
+            a, b = res["arms"][arm], res["arms"][ref]
+            rows += [(f"{arm}/{ref} KV: admitted at saturation, one budget", "64 / 32 = 2x",
+                      f"{a['admitted_at_saturation']} / {b['admitted_at_saturation']} = {x['admitted_ratio']:.2f}x"),
+                     (f"{arm}/{ref} KV: peak vs peak throughput", "2,192 / 1,558 = +41%",
+                      f"{rp.fmt(a['peak_tok_per_s'])} / {rp.fmt(b['peak_tok_per_s'])} = {rp.pct(x['peak_gain'])}"),
+                     (f"{arm}/{ref} KV: cost per token", "x0.71 (-30%)", f"x{rp.fmt(x['cost_per_token_ratio'])}")]
+    elif name == "weight_dtype":
+        ref = res["settings"]["reference"]
+        for arm, x in h.items():
+            rows += [(f"{arm}/{ref} weights: decode at lowest concurrency", "92 / 60 = +53%",
+                      rp.pct(x["decode_ratio_c1"])),
+                     (f"{arm}/{ref} weights: decode across concurrency", "+16% to +55%",
+                      f"{rp.pct(x['decode_ratio_min'])} to {rp.pct(x['decode_ratio_max'])}"),
+                     (f"{arm}/{ref} weights: prefill prompt tok/s", "8,660 / 10,160 = -15%",
+                      rp.pct(x["prefill_ratio"]))]
+    elif name == "integrity":
+        for arm in [a for a in h if a != "faults"]:
+            ref = res["settings"]["reference"]
+            tp = ", ".join(f"c={c}: {rp.pct(v)}" for c, v in h[arm]["throughput_delta_by_concurrency"].items())
+            p95 = ", ".join(f"c={c}: {rp.pct(v)}" for c, v in h[arm]["p95_delta_by_concurrency"].items())
+            pub = "< 1%" if arm == "on" else "0 (same code path)"
+            rows += [(f"integrity {arm} vs {ref}: throughput", pub, tp), (f"integrity {arm} vs {ref}: p95 latency", pub,
+                                                                         p95)]
+        for tracker, t in (h.get("faults") or {}).items():
+            rows.append((f"faults with tracker {tracker}: detected / injected, false positives",
+                         "all / all, 0" if tracker == "on" else "(not published)",
+                         f"{t['detected']} / {t['injected']}, {t['false_positives']}"))
+    elif name == "capacity":
+        rows.append(("planner vs published capacity figures (within 3%)", "all",
+                     f"{h.get('within_3pct')} of {h.get('published_figures')} (max error "
+                     f"{rp.fmt(100 * h['max_abs_error']) if h.get('max_abs_error') is not None else '–'}%)"))
+    return rows
+
+
+def _markdown(res: dict) -> str:
+    lines = ["# phaseserve: the published results, reproduced at this machine's scale", "",
+             "Every ratio below was measured side by side in one process (arms interleaved, order rotated); "
+             "absolute numbers are this machine's. Published figures are 8xH200 / GLM-5 GPU figures "
+             "(DESIGN.md).", ""]
+    rows = [list(r) for run in res["runs"].values() for r in run["summary"]]
+    lines += [rp.markdown_table(["result", "published (GPU)", "measured here"], rows), ""]
+    lines += ["## Runs", "", rp.markdown_table(
+        ["experiment", "report", "runtime (s)", "overrides"],
+        [[n, f"[{r['dir']}/README.md]({r['dir']}/README.md)", rp.fmt(r["seconds"]), " ".join(r["overrides"]) or "–"]
+         for n, r in res["runs"].items()]), ""]
+    lines += ["Each sub-report states where the CPU measurement departs from the published shape and why.", "",
+              rp.environment_section(res["environment"]), ""]
+    return "\n".join(lines)
