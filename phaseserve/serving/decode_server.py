@@ -186,7 +186,7 @@ class DecodeServer:
             pages = self.tables.allocate(req.id, need)
             self._log("alloc", req.id, pages)
             self.pulls[req.id] = (seq, PendingPull(desc, time.monotonic() + self.spec.transfer_timeout_s))
-            self.router_q.put(("serve", desc))
+            self.router_q.put(("serve", req.id, desc))
 
     def _kvq(self, leaves: list) -> list:
         leaves = jax.device_put([x[None] for x in leaves], self._rep)

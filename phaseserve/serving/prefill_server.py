@@ -82,7 +82,7 @@ class PrefillServer:
         if kind == "prompt":
             self.pending.append(msg[1])
         elif kind == "serve":
-            self._serve(msg[1])
+            self._serve(msg[1], msg[2])
         elif kind == "release":
             self.stats["released"] += int(self.staging.release(msg[1]))
         elif kind == "stats":
@@ -90,19 +90,20 @@ class PrefillServer:
         elif kind == "shutdown":
             self.running = False
 
-    def _serve(self, desc: TransferDescriptor) -> None:
+    def _serve(self, rid: str, desc: TransferDescriptor) -> None:
+        """A pull request from the decode side for its request ``rid``: verify, arm, reply (to ``rid``)."""
         delay = self.spec.faults.get("arm_delay_s", {}).get(desc.request_id)
         try:
             if delay:
-                self.staging.verify(desc).served = True  # granted now, armed later (a slow wire)
+                self.staging.verify(desc, rid).served = True  # granted now, armed later (a slow wire)
                 self.delayed.append((time.monotonic() + delay, desc))
             else:
-                self.staging.serve(desc)
+                self.staging.serve(desc, rid)
             self.stats["served"] += 1
             err = None
         except StaleDescriptorError as e:
             err = e
-        self.router_q.put(("serve_reply", desc.request_id, desc.uuid, error_tuple(err)))
+        self.router_q.put(("serve_reply", rid, desc.uuid, error_tuple(err)))
 
     def _arm_delayed(self) -> None:
         now, keep = time.monotonic(), []

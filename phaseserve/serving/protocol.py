@@ -5,7 +5,7 @@ Three kinds of process talk over ``multiprocessing`` queues (spawn context), hub
     router (parent)  --("prompt", Request)-------------------------->  prefill server
                      <-("prefilled", rid, first_token, descriptor)---
                      --("kv_ready", Request, first_token, descriptor)->  decode server
-    decode  --("serve", descriptor)--> router --> prefill     (ask the prefill side to arm the pull)
+    decode  --("serve", rid, descriptor)--> router --> prefill    (ask the prefill side to arm the pull)
     prefill --("serve_reply", rid, uuid, error)--> router --> decode   (granted: error None; else a refusal)
     decode  --("pull", uuid, avals)==== jax.experimental.transfer (KV bytes, never through the queues) ====> prefill
     decode  --("release", uuid)--> router --> prefill         (transfer landed: staging pages may be freed)
@@ -143,24 +143,29 @@ class ServerSpec:
     serve: Any  # phaseserve.config.ServeConfig
     host_devices: int = 1  # CPU devices this process simulates (its mesh is built over them)
     transfer_timeout_s: float = 10.0  # a grant + pull must land within this, else TransferTimeoutError
-    staging_ttl_s: float = 15.0  # prefill: staged KV nobody pulled (dead decode) is freed after this
+    staging_ttl_s: float = 120.0  # prefill: staged KV never pulled nor released (lost messages) is freed after this
     staging_pages: int = 4096  # prefill: staging capacity in pages
     bind: str = "127.0.0.1"  # transfer server bind host (a routable interface on real multi-host setups)
     faults: dict = field(default_factory=dict)  # fault injection, e.g. {"arm_delay_s": {"r3": 2.0}}
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache shared by the server processes
 
 
 # ---- process launch -------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def child_env(host_devices: int):
-    """Environment a spawned server inherits: JAX on CPU with ``host_devices`` simulated devices.
+def child_env(host_devices: int, cache_dir: str | None = None):
+    """Environment a spawned server inherits: JAX on CPU with ``host_devices`` simulated devices (and the
+    persistent compilation cache in ``cache_dir``, so restarted or sibling servers skip recompiling).
 
     Spawned children read ``os.environ`` at start (before they import jax), so it is set around ``start()``.
     On a real accelerator host set ``JAX_PLATFORMS`` yourself; only an unset value is filled in here.
     """
-    keys = ("JAX_PLATFORMS", "XLA_FLAGS")
+    keys = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["JAX_PLATFORMS"] = os.environ.get("PHASESERVE_CHILD_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={host_devices}"
+    if cache_dir:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     try:
         yield
     finally:

@@ -64,6 +64,7 @@ class Router:
         self.state: dict[str, str] = {}  # rid -> "prefill" | "decode" | "done"
         self.descriptors: dict[str, TransferDescriptor] = {}
         self.tamper: dict[str, Any] = {}
+        self.seen: set[tuple[str, str]] = set()  # (message kind, rid) relayed: ("serve", rid), ("serve_reply", rid)
         self._stats: dict[str, dict] = {}
         for role in ("prefill", "decode"):
             self._start(role)
@@ -73,7 +74,7 @@ class Router:
     def _start(self, role: str) -> None:
         spec = self.specs[role]
         self.inboxes[role] = inbox = self.ctx.Queue()
-        with child_env(spec.host_devices):
+        with child_env(spec.host_devices, spec.compilation_cache_dir):
             proc = self.ctx.Process(target=TARGETS[role], args=(spec, inbox, self.router_q), name=f"ps-{role}",
                                     daemon=True)
             proc.start()
@@ -195,14 +196,18 @@ class Router:
                 out = self.outputs.get(rid)
                 if out is not None and out.finish_reason is None:
                     out.tokens.append(tok)
-        elif kind == "finished":
+        elif kind == "finished":  # the decode side is done with the request, its transfer included
             rid, reason, err = msg[1], msg[2], rebuild_error(msg[3])
+            self._release_staged(rid)
             if rid in self.outputs:
                 self._end(rid, reason, err)
         elif kind in ("serve", "release"):  # decode -> prefill
+            if kind == "serve":
+                self.seen.add(("serve", msg[1]))
             if "prefill" not in self.dead:
                 self.inboxes["prefill"].put(msg)
         elif kind == "serve_reply":  # prefill -> decode
+            self.seen.add(("serve_reply", msg[1]))
             if "decode" not in self.dead:
                 self.inboxes["decode"].put(msg)
         elif kind == "stats":
@@ -230,6 +235,12 @@ class Router:
         self.state[rid] = "decode"
         self.inboxes["decode"].put(("kv_ready", req, first, desc))
 
+    def _release_staged(self, rid: str) -> None:
+        """Free ``rid``'s staged KV on the prefill side now (idempotent; a consumed uuid is ignored there)."""
+        desc = self.descriptors.get(rid)
+        if desc is not None and "prefill" not in self.dead:
+            self.inboxes["prefill"].put(("release", desc.uuid))
+
     def _check_peers(self) -> None:
         for role, proc in self.procs.items():
             if role in self.dead or proc.is_alive():
@@ -237,6 +248,8 @@ class Router:
             self.dead.add(role)
             for rid, st in list(self.state.items()):
                 if st == role:
+                    if role == "decode":  # it can never pull now: free what the prefill side staged for it
+                        self._release_staged(rid)
                     self._end(rid, "aborted", PeerDeadError(f"the {role} server died (exit code {proc.exitcode})"))
 
     # ---- drivers ------------------------------------------------------------------------------------------

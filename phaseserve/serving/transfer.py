@@ -98,8 +98,10 @@ class StagingArea:
         self.bytes_staged += desc.nbytes
         return desc
 
-    def verify(self, desc: TransferDescriptor) -> StagedKV:
-        """The staged entry ``desc`` names, or a :class:`StaleDescriptorError` saying why it is not honoured."""
+    def verify(self, desc: TransferDescriptor, requester: str | None = None) -> StagedKV:
+        """The staged entry ``desc`` names, or a :class:`StaleDescriptorError` saying why it is not honoured.
+
+        ``requester``: the request id the puller wants the KV for (must be the one it was staged for)."""
         def refuse(kind: str, why: str):
             self.refused[kind] = self.refused.get(kind, 0) + 1
             return StaleDescriptorError(f"transfer of {desc.request_id!r} (uuid {desc.uuid}) refused: {why}", kind)
@@ -110,7 +112,8 @@ class StagingArea:
         if entry is None:
             raise refuse("unknown", "nothing staged under this uuid (already consumed, expired or never staged)")
         mine = entry.descriptor
-        if mine.request_id != desc.request_id or mine.pages != desc.pages or mine.leaves != desc.leaves:
+        if (mine.request_id != desc.request_id or (requester is not None and requester != mine.request_id)
+                or mine.pages != desc.pages or mine.leaves != desc.leaves):
             raise refuse("mismatch", "descriptor does not describe the staged entry")
         pages = list(desc.pages)
         a = self.allocator
@@ -120,9 +123,9 @@ class StagingArea:
             raise refuse("replayed", "this descriptor was already served")
         return entry
 
-    def serve(self, desc: TransferDescriptor) -> None:
+    def serve(self, desc: TransferDescriptor, requester: str | None = None) -> None:
         """Verify ``desc`` and arm its pull (raises :class:`StaleDescriptorError` without arming anything)."""
-        entry = self.verify(desc)
+        entry = self.verify(desc, requester)
         entry.served = True
         remaining = max(entry.expires - time.monotonic(), 0.1)
         self.server.await_pull(desc.uuid, entry.arrays, timeout=deadline_after(remaining))
