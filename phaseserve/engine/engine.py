@@ -110,10 +110,10 @@ class Engine:
 
     # ---- compiled steps ------------------------------------------------------------------------------------
     def _compile(self, attn_impl: str) -> None:
-        cfg, kv_dt = self.cfg, to_dtype(self.kv_dtype)
+        cfg, kv_dt, pre_dt = self.cfg, to_dtype(self.kv_dtype), to_dtype(self.serve.quant.prefill_kv_dtype)
         tracker = self.tracker if isinstance(self.tracker, IntegrityTracker) else None
         dec_rep = replicated(self.decode_mesh)
-        self._prefill = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt))
+        self._prefill = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt, prefill_kv_dtype=pre_dt))
         self._decode = jax.jit(
             lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=tracker, attn_impl=attn_impl),
             out_shardings=(dec_rep, self._pool_sharding, dec_rep), donate_argnums=(1,))

@@ -34,14 +34,17 @@ class PrefillBatch:
     steps: jax.Array  # i32[B] index of the sampled token in the request's output
 
 
-def quantize_layer_kv(kv: Any, kv_dtype) -> list[tuple[jax.Array, jax.Array | None]]:
-    """One layer's prefill KV -> [(values, scale)] in the decode storage dtype."""
+def quantize_layer_kv(kv: Any, kv_dtype, compute_dtype) -> list[tuple[jax.Array, jax.Array | None]]:
+    """One layer's prefill KV, rounded to the prefill KV dtype, -> [(values, scale)] in the decode storage dtype."""
     parts = list(kv) if isinstance(kv, tuple) else [kv]
-    return [quantize_kv(x, kv_dtype) for x in parts]
+    return [quantize_kv(x.astype(compute_dtype), kv_dtype) for x in parts]
 
 
-def prefill_step(params: Params, cfg: ModelConfig, batch: PrefillBatch, *, kv_dtype) -> tuple[jax.Array, list]:
+def prefill_step(params: Params, cfg: ModelConfig, batch: PrefillBatch, *, kv_dtype,
+                 prefill_kv_dtype) -> tuple[jax.Array, list]:
+    """kv_dtype: the decode cache's storage dtype; prefill_kv_dtype: the dtype the prompt's KV is computed in
+    (``QuantConfig.prefill_kv_dtype``, BF16 in the design) before it is quantized for the handoff."""
     last = jnp.maximum(batch.lengths - 1, 0)
     logits, kvs = prefill(params, cfg, batch.tokens, batch.lengths, logits_at=last)
     first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-    return first, [quantize_layer_kv(kv, kv_dtype) for kv in kvs]
+    return first, [quantize_layer_kv(kv, kv_dtype, prefill_kv_dtype) for kv in kvs]
