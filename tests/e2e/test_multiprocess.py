@@ -131,11 +131,13 @@ def test_cancel_during_transfer_holds_pages_until_it_lands(model, router):
 
 def test_replayed_and_forged_descriptors_are_refused_alone(model, router):
     _, ref = model
-    replay = router.descriptors[MIXED[0].id]  # consumed in the first test
+    src = router.generate([_req("s0", 5, 2, 700)], timeout_s=120)[0]
+    assert src.error is None
+    replay = router.descriptors[src.id]  # consumed: landed and released
     router.tamper[TAMPERED.id] = lambda d: d.replace(tags=(d.tags[0] + 1,) + d.tags[1:])
     normal = [router.submit(r) for r in NORMAL]
     forged = router.submit(TAMPERED)
-    replayed = router.inject(MIXED[0].replace(id="replay"), 0, replay)
+    replayed = router.inject(_req("replay", 5, 2, 700), 0, replay)
     router.run(timeout_s=120)
     assert isinstance(replayed.error, StaleDescriptorError) and replayed.error.kind == "unknown"
     assert isinstance(forged.error, StaleDescriptorError) and forged.error.kind == "stale_tag"
