@@ -18,7 +18,8 @@ from phaseserve.serving import ModelSpec, Router, ServerSpec
 
 def specs(c: DictConfig) -> tuple[ServerSpec, ServerSpec]:
     quant = ps.QuantConfig(prefill_weights=c.prefill.weights, decode_weights=c.decode.weights, kv_dtype=c.kv_dtype,
-                           prefill_kv_dtype=c.prefill_kv_dtype)
+                           prefill_kv_dtype=c.prefill_kv_dtype, int4_group_size=c.int4_group_size,
+                           fp8_block=tuple(c.fp8_block) if c.fp8_block else None)
     cache = ps.CacheConfig(page_size=c.page_size, num_pages=c.decode.num_pages, max_pages_per_seq=c.max_pages_per_seq,
                            integrity=c.integrity)
     mesh = ps.MeshConfig(prefill_tp=c.prefill.tp, decode_tp=c.decode.tp, decode_ep=c.decode.ep)
