@@ -23,17 +23,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from phaseserve.cache.allocator import PageAllocator, PageTables
-from phaseserve.cache.integrity import IntegrityTracker, NoopTracker
-from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
-from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype, to_dtype
-from phaseserve.engine.decode import DecodeBatch, decode_step
-from phaseserve.engine.handoff import InProcessHandoff, scatter_prompts
+from phaseserve.cache.paged import pages_for_budget
+from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics
-from phaseserve.engine.prefill import PrefillBatch, prefill_step
 from phaseserve.engine.request import (
     CancelledError,
     DuplicateRequestError,
@@ -44,15 +39,11 @@ from phaseserve.engine.request import (
     validate,
 )
 from phaseserve.engine.scheduler import Scheduler, Sequence
+from phaseserve.engine.workers import DecodeWorker, PrefillWorker, stop_reason
 from phaseserve.model.params import Params
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
-from phaseserve.sharding import make_mesh, pool_shardings, replicated, shard_params, split_devices
-
-
-def bucket(n: int, lo: int = 1) -> int:
-    """Next power of two >= max(n, lo): padded shapes compile a handful of times, not once per size."""
-    return max(lo, 1 << max(n - 1, 0).bit_length())
+from phaseserve.sharding import make_mesh, replicated, shard_params, split_devices
 
 
 class Engine:
@@ -74,12 +65,9 @@ class Engine:
         self.prefill_mesh = self.decode_mesh if serve.mode == "colocated" else make_mesh(pre_devs, tp=m.prefill_tp)
 
         # weights: one copy per phase, each in its own representation
-        self.decode_params = shard_params(cfg, quantize_params(params, phase_policy(q, "decode")), self.decode_mesh)
-        if serve.mode == "colocated":
-            self.prefill_params = self.decode_params
-        else:
-            self.prefill_params = shard_params(cfg, quantize_params(params, phase_policy(q, "prefill")),
-                                               self.prefill_mesh)
+        decode_params = shard_params(cfg, quantize_params(params, phase_policy(q, "decode")), self.decode_mesh)
+        prefill_params = decode_params if serve.mode == "colocated" else shard_params(
+            cfg, quantize_params(params, phase_policy(q, "prefill")), self.prefill_mesh)
 
         # decode cache
         self.kv_dtype = canonical_dtype(q.kv_dtype)
@@ -89,16 +77,13 @@ class Engine:
             num_pages = pages_for_budget(cfg, self.kv_dtype, c.page_size, c.kv_budget_bytes)
         else:
             raise ValueError("CacheConfig needs num_pages or kv_budget_bytes")
-        if num_pages < 2:
-            raise ValueError(f"the KV budget gives {num_pages} pages; need at least 2 (one is the null page)")
+        self.prefill = PrefillWorker(cfg, prefill_params, kv_dtype=self.kv_dtype, prefill_kv_dtype=q.prefill_kv_dtype,
+                                     max_prefill_tokens=serve.max_prefill_tokens)
+        self.decode = DecodeWorker(cfg, decode_params, self.decode_mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,
+                                   page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
+                                   integrity=c.integrity, attn_impl=attn_impl)
         self.num_pages = num_pages
-        pool = init_pool(cfg, num_pages, c.page_size, self.kv_dtype)
-        self._pool_sharding = pool_shardings(pool, self.decode_mesh)
-        self.pool = jax.device_put(pool, self._pool_sharding)
-        self.allocator = PageAllocator(num_pages)
-        self.tables = PageTables(self.allocator, c.max_pages_per_seq)
-        self.tracker = (IntegrityTracker(self.allocator, device=replicated(self.decode_mesh)) if c.integrity
-                        else NoopTracker(self.allocator))
+        self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
         self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission)
         self.max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
         self.handoff = handoff or InProcessHandoff()
@@ -106,19 +91,23 @@ class Engine:
         self.outputs: dict[str, RequestOutput] = {}  # this run's outputs by id (an id may be reused once finished)
         self._seqs: dict[str, Sequence] = {}
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
-        self._compile(attn_impl)
 
-    # ---- compiled steps ------------------------------------------------------------------------------------
-    def _compile(self, attn_impl: str) -> None:
-        cfg, kv_dt, pre_dt = self.cfg, to_dtype(self.kv_dtype), to_dtype(self.serve.quant.prefill_kv_dtype)
-        tracker = self.tracker if isinstance(self.tracker, IntegrityTracker) else None
-        dec_rep = replicated(self.decode_mesh)
-        self._prefill = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt, prefill_kv_dtype=pre_dt))
-        self._decode = jax.jit(
-            lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=tracker, attn_impl=attn_impl),
-            out_shardings=(dec_rep, self._pool_sharding, dec_rep), donate_argnums=(1,))
-        self._scatter = jax.jit(scatter_prompts, out_shardings=self._pool_sharding, donate_argnums=(0,))
-        self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+    @property
+    def pool(self):
+        """The decode page pool (device pytree)."""
+        return self.decode.pool
+
+    @pool.setter
+    def pool(self, value) -> None:
+        self.decode.pool = value
+
+    @property
+    def prefill_params(self):
+        return self.prefill.params
+
+    @property
+    def decode_params(self):
+        return self.decode.params
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput:
@@ -174,11 +163,9 @@ class Engine:
             out.metrics.first_token = now
         out.metrics.num_output_tokens = len(out.tokens)
         events.append((seq.id, token))
-        req = seq.request
-        if token in req.stop_token_ids or (not req.ignore_eos and token in self.cfg.eos_token_ids):
-            self._finish(seq, "stop")
-        elif len(out.tokens) >= req.max_tokens:
-            self._finish(seq, "length")
+        reason = stop_reason(seq.request, token, len(out.tokens), self.cfg.eos_token_ids)
+        if reason:
+            self._finish(seq, reason)
 
     # ---- one engine step -----------------------------------------------------------------------------------
     def step(self) -> list[tuple[str, int]]:
@@ -193,42 +180,14 @@ class Engine:
         self.metrics.observe(len(self.scheduler.running), self.allocator.num_used)
         return events
 
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        groups, cur = [], []
-        for seq in sorted(seqs, key=lambda s: s.num_prompt):
-            if cur and bucket(len(cur) + 1) * bucket(seq.num_prompt, 16) > max(self.serve.max_prefill_tokens,
-                                                                             bucket(seq.num_prompt, 16)):
-                groups.append(cur)
-                cur = []
-            cur.append(seq)
-        return groups + ([cur] if cur else [])
-
-    def _sampling_rows(self, seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
-        temp, top_k, top_p, seeds, steps = (np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32),
-                                            np.zeros(b, np.uint32), np.zeros(b, np.int32))
-        for i, s in enumerate(seqs):
-            r = s.request
-            temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
-        return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
-
     def _run_prefill(self, admitted: list[Sequence], events: list) -> None:
         t0 = time.perf_counter()
-        ps_ = self.serve.cache.page_size
-        for group in self._prefill_groups(admitted):
-            b, t = bucket(len(group)), bucket(max(s.num_prompt for s in group), 16)
-            tokens = np.zeros((b, t), np.int32)
-            lengths = np.zeros(b, np.int32)
-            for i, s in enumerate(group):
-                tokens[i, : s.num_prompt] = s.tokens[: s.num_prompt]
-                lengths[i] = s.num_prompt
-            batch = PrefillBatch(tokens=tokens, lengths=lengths, **self._sampling_rows(group, b))
-            first, kvq = self._prefill(self.prefill_params, batch)
+        for group in self.prefill.groups(admitted):
+            first, kvq, lengths = self.prefill.run(group)
             kvq = self.handoff.transfer(kvq, replicated(self.decode_mesh))
-            pt, _, _ = self.tables.batch([s.id for s in group], pad_to=b)
-            start = np.zeros(b, np.int32)
-            start[: len(group)] = [s.shared_pages * ps_ for s in group]
-            self.pool = self._scatter(self.pool, kvq, pt, lengths, start)
-            first = np.asarray(first)
+            start = np.zeros(len(lengths), np.int32)
+            start[: len(group)] = [s.shared_pages * self.serve.cache.page_size for s in group]
+            self.decode.land([s.id for s in group], kvq, lengths, start)
             self.metrics.prefill_batches += 1
             self.metrics.prefill_tokens += int(lengths.sum())
             for i, s in enumerate(group):
@@ -240,39 +199,21 @@ class Engine:
     def _run_decode(self, events: list) -> None:
         t0 = time.perf_counter()
         rows = list(self.scheduler.running)
-        b = bucket(len(rows))
-        ids = [s.id for s in rows]
         for hook in self.fault_hooks:
             hook(self, rows)
-        pt, expected, live = self.tables.batch(ids, pad_to=b)
-        tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
-        for i, s in enumerate(rows):
-            tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
-        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active,
-                            **self._sampling_rows(rows, b))
-        t1 = time.perf_counter()
-        ok = self.tracker.check(pt, expected, live)
-        nxt, self.pool, finite = self._decode(self.decode_params, self.pool, batch, ok)
-        nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
-        t2 = time.perf_counter()
-        if ok is not None:
+        nxt, failures, device_s = self.decode.step(rows)
+        if self.tracker.enabled:
             self.metrics.integrity_checks += len(rows)
-        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        scrub = []
         for i, s in enumerate(rows):
             err = failures.get(s.id)
             if err is not None:
-                if getattr(err, "kind", "") == "nonfinite":
-                    scrub += self.tables.owned(s.id)
                 self._finish(s, "aborted", err)
             else:
                 self._emit(s, int(nxt[i]), events)
-        if scrub:
-            self.pool = self._clear(self.pool, jnp.asarray(scrub, jnp.int32))
         self.metrics.decode_steps += 1
         self.metrics.decode_tokens += len(rows) - len(failures)
-        self.metrics.decode_time += t2 - t1
-        self.metrics.host_time += (t1 - t0) + (time.perf_counter() - t2)
+        self.metrics.decode_time += device_s
+        self.metrics.host_time += time.perf_counter() - t0 - device_s
 
     # ---- drivers -------------------------------------------------------------------------------------------
     def stream(self, requests: list[Request]) -> Iterator[tuple[str, int]]:

@@ -1,0 +1,138 @@
+"""The two phase workers, shared by the in-process :class:`~phaseserve.engine.engine.Engine` and the multi-process
+servers (``phaseserve.serving``): each owns one phase's weights-on-mesh and jitted steps; neither schedules.
+
+- :class:`PrefillWorker`: groups admitted sequences into padded batches (bounded by ``max_prefill_tokens``), runs
+  the prefill step, returns each batch's first tokens and its KV already quantized for the decode cache.
+- :class:`DecodeWorker`: the decode cache (page pool on the decode mesh, allocator, page tables, integrity tracker)
+  and its jitted steps: :meth:`~DecodeWorker.land` scatters handed-over prompt KV into a request's pages,
+  :meth:`~DecodeWorker.step` runs one integrity-checked decode step for a list of running sequences and returns the
+  next tokens plus the typed failures (pages of rows that read NaN/inf are scrubbed before anyone releases them).
+
+:func:`stop_reason` is the one stop rule (stop tokens, eos unless ``ignore_eos``, ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from phaseserve.cache.allocator import PageAllocator, PageTables
+from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
+from phaseserve.cache.paged import clear_pages, init_pool
+from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.handoff import scatter_prompts
+from phaseserve.engine.prefill import PrefillBatch, prefill_step
+from phaseserve.engine.request import Request
+from phaseserve.engine.scheduler import Sequence
+from phaseserve.sharding import pool_shardings, replicated
+
+
+def bucket(n: int, lo: int = 1) -> int:
+    """Next power of two >= max(n, lo): padded shapes compile a handful of times, not once per size."""
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
+    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token, ``"length"`` at ``max_tokens``, else None."""
+    if token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids):
+        return "stop"
+    if num_generated >= req.max_tokens:
+        return "length"
+    return None
+
+
+def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
+    """Per-row sampling parameters for ``seqs`` padded to ``b`` rows (padding rows are greedy)."""
+    temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
+    seeds, steps = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+    for i, s in enumerate(seqs):
+        r = s.request
+        temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
+
+
+class PrefillWorker:
+    """Prefill weights on the prefill mesh and the jitted prefill step."""
+
+    def __init__(self, cfg: ModelConfig, params: Any, *, kv_dtype: str, prefill_kv_dtype: str,
+                 max_prefill_tokens: int):
+        self.cfg, self.params, self.max_prefill_tokens = cfg, params, max_prefill_tokens
+        kv_dt, pre_dt = to_dtype(kv_dtype), to_dtype(prefill_kv_dtype)
+        self._step = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt, prefill_kv_dtype=pre_dt))
+
+    def groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """Batches of similar prompt lengths whose padded size stays within ``max_prefill_tokens``."""
+        groups, cur = [], []
+        for seq in sorted(seqs, key=lambda s: s.num_prompt):
+            t = bucket(seq.num_prompt, 16)
+            if cur and bucket(len(cur) + 1) * t > max(self.max_prefill_tokens, t):
+                groups.append(cur)
+                cur = []
+            cur.append(seq)
+        return groups + ([cur] if cur else [])
+
+    def run(self, group: list[Sequence]) -> tuple[np.ndarray, list, np.ndarray]:
+        """Prefill one group: (first tokens i32[b] on the host, quantized KV per layer, lengths i32[b])."""
+        b, t = bucket(len(group)), bucket(max(s.num_prompt for s in group), 16)
+        tokens, lengths = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
+        for i, s in enumerate(group):
+            tokens[i, : s.num_prompt] = s.tokens[: s.num_prompt]
+            lengths[i] = s.num_prompt
+        first, kvq = self._step(self.params, PrefillBatch(tokens=tokens, lengths=lengths, **sampling_rows(group, b)))
+        return np.asarray(first), kvq, lengths
+
+
+class DecodeWorker:
+    """The decode cache and the decode weights on the decode mesh, with the jitted decode/scatter/scrub steps."""
+
+    def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str, num_pages: int,
+                 page_size: int, max_pages_per_seq: int, integrity: bool, attn_impl: str = "auto"):
+        if num_pages < 2:
+            raise ValueError(f"the KV budget gives {num_pages} pages; need at least 2 (one is the null page)")
+        self.cfg, self.params, self.mesh = cfg, params, mesh
+        self.kv_dtype, self.num_pages, self.page_size = kv_dtype, num_pages, page_size
+        pool = init_pool(cfg, num_pages, page_size, kv_dtype)
+        self._pool_sharding = pool_shardings(pool, mesh)
+        self.pool = jax.device_put(pool, self._pool_sharding)
+        self.allocator = PageAllocator(num_pages)
+        self.tables = PageTables(self.allocator, max_pages_per_seq)
+        self.tracker = (IntegrityTracker(self.allocator, device=replicated(mesh)) if integrity
+                        else NoopTracker(self.allocator))
+        hooks = self.tracker if integrity else None
+        rep = replicated(mesh)
+        self._decode = jax.jit(
+            lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl),
+            out_shardings=(rep, self._pool_sharding, rep), donate_argnums=(1,))
+        self._scatter = jax.jit(scatter_prompts, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+
+    def land(self, ids: list[str], kvq: list, lengths: np.ndarray, start: np.ndarray) -> None:
+        """Write prompt KV (already on the decode devices, rows in ``ids`` order, padded) into their pages;
+        positions below ``start`` (a shared prefix) are skipped."""
+        pt, _, _ = self.tables.batch(ids, pad_to=len(lengths))
+        self.pool = self._scatter(self.pool, kvq, pt, lengths, start)
+
+    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
+        """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""
+        b, ids = bucket(len(rows)), [s.id for s in rows]
+        pt, expected, live = self.tables.batch(ids, pad_to=b)
+        tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
+        for i, s in enumerate(rows):
+            tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
+        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active,
+                            **sampling_rows(rows, b))
+        t0 = time.perf_counter()
+        ok = self.tracker.check(pt, expected, live)
+        nxt, self.pool, finite = self._decode(self.params, self.pool, batch, ok)
+        nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
+        device_s = time.perf_counter() - t0
+        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
+        scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in self.tables.owned(rid)]
+        if scrub:  # before any release: these pages go back to the free queue clean
+            self.pool = self._clear(self.pool, jnp.asarray(scrub, jnp.int32))
+        return np.asarray(nxt[: len(rows)]), failures, device_s
