@@ -36,19 +36,12 @@ import numpy as np
 from pallas_kernels.fp8_matmul import Fp8Weight
 from pallas_kernels.int4_matmul import Int4Weight, pack_int4
 from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.model.loader import leaf_path as path_str  # one spelling of leaf paths: 'layers.3.attn.wq'
 from phaseserve.model.params import ArrayInfo, abstract_params, is_info
 from phaseserve.quant.policy import PolicyError, QuantPolicy, Rep, resolve_policy
 
 _CONTAINERS = (Int4Weight, Fp8Weight)
 _NORM_NAMES = re.compile(r"(^|\.)(attn_norm|mlp_norm|final_norm|q_norm|k_norm|kv_a_norm|q_a_norm|k_norm_w|k_norm_b)$")
-
-
-def path_str(kp) -> str:
-    """A jax key path -> ``'layers.3.attn.wq'``."""
-    parts = []
-    for k in kp:
-        parts.append(str(k.idx) if hasattr(k, "idx") else str(getattr(k, "name", getattr(k, "key", k))))
-    return ".".join(parts)
 
 
 def tensor_class(path: str, ndim: int) -> str:
