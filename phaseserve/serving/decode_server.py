@@ -1,7 +1,7 @@
 """The decode server process: pulls prompt KV into freshly allocated (FP8) pages and runs the decode batch.
 
 One process, its own devices and mesh, its own copy of the weights in the *decode* representation, its own page
-pool, allocator, page tables and integrity tracker (the same classes as the in-process engine). Per request::
+pool, allocator, page tables and integrity tracker (the in-process engine's ``DecodeWorker``). Per request::
 
     waiting  --(pages allocated: prompt + max_tokens, reserve policy; tags recorded in PageTables)-->
     requested  --("serve" to the prefill side; it verifies the descriptor and arms await_pull)-->
@@ -16,8 +16,8 @@ release is logged with a timestamp (``events``) so tests can check that order fr
 
 Failures end only the affected request: a refusal -> :class:`StaleDescriptorError`, a missed deadline (slow or
 dead prefill peer) -> :class:`TransferTimeoutError`, a cancel -> ``CancelledError``, an integrity failure in the
-decode step -> ``KVIntegrityError`` (as in the engine). The decode loop is the engine's: integrity check as a
-separate jitted launch, one jitted step for the whole running batch, host bookkeeping.
+decode step -> ``KVIntegrityError`` (as in the engine). The decode round is the engine's ``DecodeWorker.step``:
+integrity check as a separate jitted launch, one jitted step for the whole running batch, then host bookkeeping.
 """
 
 from __future__ import annotations
@@ -28,21 +28,15 @@ from collections import deque
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from phaseserve.cache.allocator import PageAllocator, PageTables
-from phaseserve.cache.integrity import IntegrityTracker, NoopTracker
-from phaseserve.cache.paged import clear_pages, init_pool, is_scaled
+from phaseserve.cache.paged import is_scaled
 from phaseserve.config import canonical_dtype
-from phaseserve.engine.decode import DecodeBatch, decode_step
-from phaseserve.engine.engine import bucket
-from phaseserve.engine.handoff import scatter_prompts
 from phaseserve.engine.request import CancelledError, InvalidParameterError, Request, RequestOutput
 from phaseserve.engine.scheduler import Sequence
+from phaseserve.engine.workers import DecodeWorker, stop_reason
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
-from phaseserve.serving.prefill_server import first_token_finishes
 from phaseserve.serving.protocol import (
     ServerSpec,
     TransferDescriptor,
@@ -52,7 +46,7 @@ from phaseserve.serving.protocol import (
     rebuild_error,
 )
 from phaseserve.serving.transfer import PendingPull, Puller, start_endpoint
-from phaseserve.sharding import make_mesh, pool_shardings, replicated, shard_params
+from phaseserve.sharding import make_mesh, replicated, shard_params
 
 
 class DecodeServer:
@@ -67,15 +61,12 @@ class DecodeServer:
         self.kv_dtype = canonical_dtype(serve.quant.kv_dtype)
         if c.num_pages is None:
             raise ValueError("the decode server needs CacheConfig.num_pages")
-        pool = init_pool(self.cfg, c.num_pages, c.page_size, self.kv_dtype)
-        self._pool_sharding = pool_shardings(pool, self.mesh)
-        self.pool = jax.device_put(pool, self._pool_sharding)
-        self.allocator = PageAllocator(c.num_pages)
-        self.tables = PageTables(self.allocator, c.max_pages_per_seq)
-        rep = replicated(self.mesh)
-        self.tracker = IntegrityTracker(self.allocator, device=rep) if c.integrity else NoopTracker(self.allocator)
+        self.worker = DecodeWorker(self.cfg, self.params, self.mesh, kv_dtype=self.kv_dtype, num_pages=c.num_pages,
+                                   page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
+                                   integrity=c.integrity)
+        self.allocator, self.tables, self.tracker = self.worker.allocator, self.worker.tables, self.worker.tracker
+        self._rep = replicated(self.mesh)
         self.page_size, self.max_batch = c.page_size, serve.max_batch
-        self._compile(rep)
         self.endpoint = start_endpoint(spec.bind, devices[0])
         self.puller = Puller(self.endpoint, devices[0])
         parts = 1 if self.cfg.is_mla else 2
@@ -91,14 +82,10 @@ class DecodeServer:
         self._out: list[tuple[str, int]] = []
         self.alive = True
 
-    def _compile(self, rep) -> None:
-        cfg = self.cfg
-        tracker = self.tracker if isinstance(self.tracker, IntegrityTracker) else None
-        self._decode = jax.jit(lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=tracker),
-                               out_shardings=(rep, self._pool_sharding, rep), donate_argnums=(1,))
-        self._scatter = jax.jit(scatter_prompts, out_shardings=self._pool_sharding, donate_argnums=(0,))
-        self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
-        self._rep = rep
+    @property
+    def pool(self):
+        """The decode page pool (device pytree), owned by the worker."""
+        return self.worker.pool
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _log(self, kind: str, rid: str, pages=()) -> None:
@@ -215,10 +202,9 @@ class DecodeServer:
         self.stats["transfer_time"] += time.monotonic() - pull.started
         self.stats["bytes_pulled"] += desc.nbytes
         self.stats["valid_kv_tokens"] += desc.length
-        pt, _, _ = self.tables.batch([seq.id])
-        self.pool = self._scatter(self.pool, self._kvq(pull.arrays), pt, np.asarray([desc.length], np.int32),
-                                  np.zeros(1, np.int32))
-        jax.block_until_ready(self.pool)  # the write has landed before anything else may touch these pages
+        self.worker.land([seq.id], self._kvq(pull.arrays), np.asarray([desc.length], np.int32),
+                         np.zeros(1, np.int32))
+        jax.block_until_ready(self.worker.pool)  # the write has landed before anything else may touch these pages
         self._log("landed", seq.id)
         self.router_q.put(("release", desc.uuid))
         if pull.cancelled:
@@ -230,37 +216,18 @@ class DecodeServer:
     def decode(self) -> None:
         t0 = time.perf_counter()
         rows = list(self.running)
-        b, ids = bucket(len(rows)), [s.id for s in rows]
-        pt, expected, live = self.tables.batch(ids, pad_to=b)
-        tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
-        temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-        seeds, steps = np.zeros(b, np.uint32), np.zeros(b, np.int32)
-        for i, s in enumerate(rows):
-            r = s.request
-            tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
-            temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
-        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active, temperature=temp,
-                            top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
-        ok = self.tracker.check(pt, expected, live)
-        nxt, self.pool, finite = self._decode(self.params, self.pool, batch, ok)
-        nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
-        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        scrub = []
+        nxt, failures, _ = self.worker.step(rows)  # nonfinite rows' pages are scrubbed before it returns
         for i, s in enumerate(rows):
             err = failures.get(s.id)
             if err is not None:
-                if getattr(err, "kind", "") == "nonfinite":
-                    scrub += self.tables.owned(s.id)
                 self._finish(s, "aborted", err)
                 continue
             tok = int(nxt[i])
             s.tokens.append(tok)
             self._out.append((s.id, tok))
-            reason = first_token_finishes(s.request, tok, s.num_generated, self.cfg.eos_token_ids)
+            reason = stop_reason(s.request, tok, s.num_generated, self.cfg.eos_token_ids)
             if reason:
                 self._finish(s, reason)
-        if scrub:
-            self.pool = self._clear(self.pool, jnp.asarray(scrub, jnp.int32))
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows) - len(failures)
         self.stats["decode_time"] += time.perf_counter() - t0

@@ -23,26 +23,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from phaseserve.config import canonical_dtype, to_dtype
-from phaseserve.engine.engine import bucket
-from phaseserve.engine.prefill import PrefillBatch, prefill_step
-from phaseserve.engine.request import Request
+from phaseserve.config import canonical_dtype
+from phaseserve.engine.request import Request, RequestOutput
+from phaseserve.engine.scheduler import Sequence
+from phaseserve.engine.workers import PrefillWorker, stop_reason
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.serving.protocol import ServerSpec, StaleDescriptorError, TransferDescriptor, error_tuple, exit_child
 from phaseserve.serving.transfer import StagingArea, deadline_after, start_endpoint
 from phaseserve.sharding import make_mesh, shard_params
-
-
-def first_token_finishes(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
-    """The engine's stop rule: ``"stop"`` on a stop/eos token, ``"length"`` at ``max_tokens``, else None."""
-    if token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids):
-        return "stop"
-    if num_generated >= req.max_tokens:
-        return "length"
-    return None
 
 
 def request_kv(kvq: list, row: int, length: int, page_size: int, device: jax.Device) -> list:
@@ -66,8 +56,9 @@ class PrefillServer:
         self.mesh = make_mesh(devices, tp=serve.mesh.prefill_tp)
         self.params = shard_params(self.cfg, quantize_params(params, phase_policy(serve.quant, "prefill")), self.mesh)
         self.kv_dtype = canonical_dtype(serve.quant.kv_dtype)
-        kv_dt, pre_dt, cfg = to_dtype(self.kv_dtype), to_dtype(serve.quant.prefill_kv_dtype), self.cfg
-        self._prefill = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt, prefill_kv_dtype=pre_dt))
+        self.worker = PrefillWorker(self.cfg, self.params, kv_dtype=self.kv_dtype,
+                                    prefill_kv_dtype=serve.quant.prefill_kv_dtype,
+                                    max_prefill_tokens=serve.max_prefill_tokens)
         self.device = devices[0]
         self.endpoint = start_endpoint(spec.bind, self.device)
         self.staging = StagingArea(self.endpoint, spec.staging_pages, serve.cache.page_size, spec.staging_ttl_s)
@@ -122,39 +113,19 @@ class PrefillServer:
                     bytes_staged=self.staging.bytes_staged)
 
     # ---- prefill ------------------------------------------------------------------------------------------
-    def _groups(self, reqs: list[Request]) -> list[list[Request]]:
-        """Length-sorted groups under ``max_prefill_tokens`` padded tokens (as ``Engine._prefill_groups``)."""
-        groups, cur, cap = [], [], self.spec.serve.max_prefill_tokens
-        for r in sorted(reqs, key=lambda r: len(r.prompt)):
-            n = len(r.prompt)
-            if cur and bucket(len(cur) + 1) * bucket(n, 16) > max(cap, bucket(n, 16)):
-                groups.append(cur)
-                cur = []
-            cur.append(r)
-        return groups + ([cur] if cur else [])
-
     def prefill_pending(self) -> None:
         reqs, self.pending = self.pending, []
         t0 = time.perf_counter()
         ps_ = self.spec.serve.cache.page_size
-        for group in self._groups(reqs):
-            b, t = bucket(len(group)), bucket(max(len(r.prompt) for r in group), 16)
-            tokens, lengths = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
-            temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-            seeds, steps = np.zeros(b, np.uint32), np.zeros(b, np.int32)
-            for i, r in enumerate(group):
-                tokens[i, : len(r.prompt)] = r.prompt
-                lengths[i] = len(r.prompt)
-                temp[i], top_k[i], top_p[i], seeds[i] = r.temperature, r.top_k, r.top_p, r.seed
-            batch = PrefillBatch(tokens=tokens, lengths=lengths, temperature=temp, top_k=top_k, top_p=top_p,
-                                 seeds=seeds, steps=steps)
-            first, kvq = self._prefill(self.params, batch)
-            first = np.asarray(first)
+        seqs = [Sequence(request=r, output=RequestOutput(id=r.id), tokens=list(r.prompt), num_prompt=len(r.prompt))
+                for r in reqs]
+        for group in self.worker.groups(seqs):  # the engine's grouping, so shapes and tokens match it
+            first, kvq, lengths = self.worker.run(group)
             self.stats["prefill_batches"] += 1
             self.stats["prefill_tokens"] += int(lengths.sum())
-            for i, r in enumerate(group):
-                tok = int(first[i])
-                if first_token_finishes(r, tok, 1, self.cfg.eos_token_ids):
+            for i, s in enumerate(group):
+                r, tok = s.request, int(first[i])
+                if stop_reason(r, tok, 1, self.cfg.eos_token_ids):
                     self.router_q.put(("prefilled", r.id, tok, None))
                     continue
                 leaves = request_kv(kvq, i, len(r.prompt), ps_, self.device)

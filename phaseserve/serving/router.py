@@ -33,8 +33,9 @@ from phaseserve.engine.request import (
     RequestOutput,
     validate,
 )
+from phaseserve.engine.workers import stop_reason
 from phaseserve.serving.decode_server import serve_decode
-from phaseserve.serving.prefill_server import first_token_finishes, serve_prefill
+from phaseserve.serving.prefill_server import serve_prefill
 from phaseserve.serving.protocol import PeerDeadError, ServerSpec, TransferDescriptor, child_env, rebuild_error
 
 TARGETS = {"prefill": serve_prefill, "decode": serve_decode}
@@ -223,7 +224,7 @@ class Router:
         out.metrics.first_token = time.perf_counter()
         req = self.requests[rid]
         if desc is None:
-            self._end(rid, first_token_finishes(req, first, 1, self.cfg.eos_token_ids) or "length")
+            self._end(rid, stop_reason(req, first, 1, self.cfg.eos_token_ids) or "length")
             return
         self.descriptors[rid] = desc
         if "decode" in self.dead:
