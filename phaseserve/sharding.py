@@ -77,7 +77,7 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
         return PartitionSpec()
     spec = nn.logical_to_mesh_axes(axes, rules)
     out = []
-    for dim, ax in zip(shape, spec):
+    for dim, ax in zip(shape, spec, strict=True):
         size = 1 if ax is None else mesh.shape[ax]
         out.append(ax if ax is not None and dim % size == 0 and size > 1 else None)
     return PartitionSpec(*out)

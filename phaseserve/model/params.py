@@ -16,8 +16,9 @@ Logical axis names: ``vocab``, ``embed`` (hidden), ``q_heads`` (num_heads * head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -235,7 +236,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: str = "float32") -> Par
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_info)
     keys = jax.random.split(key, len(leaves))
     out = []
-    for info, k in zip(leaves, keys):
+    for info, k in zip(leaves, keys, strict=True):
         x = _init_leaf(info, k)
         if info.init in ("ones", "zeros"):
             x = (x.astype(jnp.float32) + 0.1 * jax.random.normal(k, info.shape)).astype(x.dtype)

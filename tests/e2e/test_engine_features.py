@@ -151,7 +151,7 @@ def test_bad_requests_fail_alone_and_allocate_nothing(mla):
     free_before = eng.allocator.num_free
     outs = eng.generate(good[:1] + bad + good[1:])
     assert eng.allocator.num_free == free_before
-    for o, e in zip(outs[1:-1], expect):
+    for o, e in zip(outs[1:-1], expect, strict=True):
         assert o.finish_reason == "error" and isinstance(o.error, e), (o.id, o.error)
         assert o.tokens == []
     assert outs[0].finish_reason == outs[-1].finish_reason == "length"

@@ -21,7 +21,7 @@ def test_engine_matches_hf_generate(model, mode):
     _, cfg, params, reqs, expected = model
     engine = ps.Engine(cfg, params, serve_config(mode=mode, max_batch=3))
     outs = engine.generate(reqs)
-    for r, o, e in zip(reqs, outs, expected):
+    for r, o, e in zip(reqs, outs, expected, strict=True):
         assert o.finish_reason == "length", (r.id, o.finish_reason, o.error)
         assert o.tokens == e, f"{mode} {r.id}: engine {o.tokens} vs transformers {e}"
     s = engine.summary()

@@ -100,7 +100,7 @@ def test_sharded_checkpoint(ckpt, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _, a = ps.load_checkpoint(ckpt)
     _, b = ps.load_checkpoint(d)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
