@@ -92,6 +92,15 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
 
+    @classmethod
+    def from_hydra(cls, hydra_cfg: Any) -> Engine:
+        """An engine from a composed ``configs/config.yaml`` tree (model, quant, cache, mesh groups)."""
+        from phaseserve.bench.schema import serve_config_from_hydra
+
+        cfg, params, serve = serve_config_from_hydra(hydra_cfg)
+        engine_cfg = hydra_cfg.get("engine") or {}
+        return cls(cfg, params, serve, attn_impl=engine_cfg.get("attn_impl", "auto"))
+
     @property
     def pool(self):
         """The decode page pool (device pytree)."""

@@ -194,3 +194,17 @@ def test_ids_are_reusable_once_finished_and_runs_measure_separately(mla):
     second = eng.generate(reqs)  # same ids: fine once the first ones finished
     assert _tokens(first) == _tokens(second) and all(o.finish_reason == "length" for o in second)
     assert eng.summary()["requests"] == 3
+
+
+def test_engine_from_hydra_config():
+    from hydra import compose, initialize_config_dir
+
+    import phaseserve.bench  # noqa: F401  (registers the structured configs the yaml files extend)
+
+    configs = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base=None):
+        cfg = compose(config_name="config", overrides=["model=tiny_mla", "quant.kv=fp8"])
+    eng = ps.Engine.from_hydra(cfg)
+    assert eng.kv_dtype == "float8_e4m3fn" and eng.serve.mode == cfg.engine.mode
+    out = eng.generate([Request(id="h", prompt=[1, 2, 3], max_tokens=4, ignore_eos=True)])[0]
+    assert out.finish_reason == "length" and len(out.tokens) == 4
