@@ -203,7 +203,9 @@ def _trial(eng, reqs, ref, kind, victim, other, step, tracker, t) -> dict:
         others_changed=[r for r in others if outs[r].finish_reason != "aborted" and outs[r].tokens != ref[r]],
         leaked_pages=max(leaked, 0), invariants_ok=invariants,
         error_kind=getattr(v.error, "kind", None) if detected else None)
-    rec["state_damaged"] = bool(rec["error"] or leaked != 0 or not invariants or not detected)
+    # a missed fault can leave stale bytes in freed pages, but every position is written before it is read; the
+    # fault-free rerun after the matrix checks that (clean_after_matrix). Broken bookkeeping means a rebuild.
+    rec["state_damaged"] = bool(rec["error"] or leaked != 0 or not invariants)
     return rec
 
 
@@ -290,28 +292,43 @@ def _markdown(res: dict, names: list[str], concs: list[int], ref: str, plots: li
 
 
 def _notes(res: dict, concs: list[int], ref: str) -> list[str]:
+    """The on-vs-off deltas judged against the A/A (noop vs off) deltas measured in the same run."""
     out = []
     d_on, d_aa = res["deltas"].get("on"), res["deltas"].get("noop")
-    if d_on:
+    for label, key in (("throughput", "throughput"), ("p95 latency", "e2e_p95")):
+        if not d_on:
+            break
+        parts = []
         for c in concs:
-            on, aa = d_on["throughput"][c], (d_aa["throughput"][c] if d_aa else None)
+            on = d_on[key][c]
             if on["median"] is None:
                 continue
-            noise = max(abs(on["max"] - 1), abs(on["min"] - 1)) if on["n"] > 1 else None
-            aa_txt = f"; A/A (noop vs off) {rp.pct_spread(aa)}" if aa else ""
-            within = noise is not None and abs(on["median"] - 1) <= noise
-            out.append(f"- c={c}: check on costs {rp.pct(on['median'])} throughput (repeat range "
-                       f"{rp.pct(on['min'])} to {rp.pct(on['max'])}{aa_txt}); "
-                       + ("within the run-to-run spread." if within else "outside the run-to-run spread."))
-    out.append("- Published: under 1% on 8,192-token inputs, where one decode step reads megabytes of KV per "
-               "request and the tag check (a gather of a few page tags per row) is vanishingly small beside it. Here "
-               "a step of the small CPU model is itself tiny, so the check's fixed cost (one extra jitted launch and "
-               "its host round trip per step) weighs relatively more; compare the on-vs-off delta with the A/A "
-               "delta above before reading anything into it.")
+            aa = d_aa[key][c] if d_aa else None
+            noise = max(abs(v - 1) for v in aa["values"]) if aa and aa.get("values") else None
+            crosses = on["n"] > 1 and on["min"] <= 1 <= on["max"]
+            within = crosses or (noise is not None and abs(on["median"] - 1) <= noise)
+            parts.append(f"c={c}: {rp.pct_spread(on)}" + (f" vs A/A {rp.pct_spread(aa)}" if aa else "")
+                         + (" — within noise" if within else " — outside noise"))
+        out.append(f"- on vs {ref}, {label} (paired; 'within noise' = the repeat range crosses zero or the median "
+                   "is no larger than the largest A/A delta): " + "; ".join(parts) + ".")
+    out.append("- Published: under 1% on 8,192-token inputs with 1,000-token outputs on GPUs. The check is one small "
+               "jitted launch per decode step (a gather of the page tags of every row, a compare, and a finite "
+               "guard inside the step) whose cost does not grow with the KV read, so its share of a step is largest "
+               "when steps are short, as here; on this shared 2-core machine the run-to-run spread is several "
+               "percent, so a sub-1% effect cannot be resolved: the A/A column shows the resolution.")
     m = res["fault_matrix"]
     if m and "on" in m["totals"]:
         t = m["totals"]["on"]
         out.append(f"- Detection: with the check on, {t['detected']} of {t['injected']} injected faults were caught "
-                   f"with {t['false_positives']} false positives; with the no-op tracker every fault goes unseen "
-                   "by construction, and the columns for it show what that costs.")
+                   f"(each in the step that would first read the bad page: "
+                   f"{sum(x['caught_at_injection_step'] for x in m['trials'] if x['tracker'] == 'on')} of "
+                   f"{sum(x['injected'] for x in m['trials'] if x['tracker'] == 'on')}) with {t['false_positives']} "
+                   "false positives and no other request's tokens changed.")
+    if m and "noop" in m["totals"]:
+        t = m["totals"]["noop"]
+        out.append(f"- With the no-op tracker none of the {t['injected']} faults is detected (by construction); "
+                   f"{t['victim_tokens_silently_changed']} victims returned different tokens with no error and "
+                   f"{t['others_tokens_changed']} other requests' outputs changed: the harm the check exists to "
+                   "prevent. In the other trials the wrong page happened to still hold the right bytes (e.g. a page "
+                   "freed behind the victim's back was not handed to anyone else before it finished): silent luck.")
     return out

@@ -27,7 +27,7 @@ from phaseserve.bench import report as rp
 from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired
 from phaseserve.bench.schema import as_list, experiment_spec, load_model, to_container
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
-from phaseserve.quant.size_report import size_report
+from phaseserve.quant.size_report import preset_report, size_report
 
 PUBLISHED = {"decode_c1_fp8_tok_s": 60, "decode_c1_int4_tok_s": 92, "decode_gain_range": [0.16, 0.55],
              "prefill_fp8_tok_s": 10160, "prefill_int4_tok_s": 8660, "prefill_ratio": 8660 / 10160,
@@ -93,7 +93,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                        "decode_ratio_min": min(dec) if dec else None, "decode_ratio_max": max(dec) if dec else None,
                        "prefill_ratio": r["prefill"][PREFILL]["median"],
                        "decode_weight_bytes_ratio": sizes[n]["decode_weight_bytes"] / sizes[ref]["decode_weight_bytes"]}
-    results = {"experiment": "weight_dtype", "environment": env, "settings": {
+    glm = preset_report("glm-5", "glm-fp8")
+    glm_share = glm.bytes_of("routed_experts") / glm.total_bytes
+    results = {"experiment": "weight_dtype", "environment": env, "glm5_fp8_routed_expert_share": glm_share,
+               "settings": {
         "model": to_container(cfg.model), "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv),
         "repeats": spec.repeats, "prefill_prompt": spec.prefill_prompt, "prefill_requests": spec.prefill_requests,
         "mode": cfg.engine.mode, "reference": ref}, "weights": sizes, "aggregate": agg, "ratios": ratios,
@@ -177,7 +180,8 @@ def _notes(res: dict, ref: str) -> list[str]:
                    "The CPU has no FP8 matrix unit, so FP8 prefill does not get the compute advantage it has on an "
                    "H200 either: the CPU ratio compares two dequantize-then-matmul paths.")
         out.append(f"- Memory: {n}'s decode weights are x{h['decode_weight_bytes_ratio']:.2f} the bytes of {ref}'s "
-                   "here. In GLM-5 the routed experts are ~95% of the weights, so INT4 experts shrink the model; in "
+                   f"here. In GLM-5 the routed experts are {100 * res['glm5_fp8_routed_expert_share']:.0f}% of the "
+                   "FP8 checkpoint (phaseserve.quant.size_report), so INT4 experts shrink the model; in "
                    "this small model attention and dense layers weigh far more, and they stay BF16 under the INT4 "
                    "policy but become FP8 under the FP8 policy.")
     return out

@@ -25,7 +25,7 @@ import numpy as np
 
 from phaseserve.bench.schema import LengthSpec, as_list
 from phaseserve.engine import Engine, Request
-from phaseserve.engine.engine import bucket
+from phaseserve.engine.workers import bucket
 
 ARRIVALS = ("closed", "burst", "poisson")
 
@@ -106,7 +106,10 @@ def drive(engine: Engine, requests: list[Request], concurrency: int, arrival: st
     """Play ``requests`` against ``engine`` with an arrival pattern; return the engine's summary plus extras.
 
     Extras: ``decode_tok_per_s`` (tokens of decode steps / decode time), ``prefill_tok_per_s`` (prompt tokens /
-    prefill time, handoff included), ``offered_concurrency``, ``num_pages``.
+    prefill time, handoff included), ``offered_concurrency``, ``num_pages``, and ``steady_tok_per_s``: output
+    tokens per second from the start until the last request is sent (closed loop), i.e. while every client still
+    has a request in flight -- the sustained rate at this offered load, without the drain at the end, where a
+    partial last wave runs at a small batch (``None`` when every request is sent at once).
     """
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
@@ -125,6 +128,8 @@ def drive(engine: Engine, requests: list[Request], concurrency: int, arrival: st
             outs.append(engine.add_request(pending.popleft()))
             n_sent += 1
 
+    steady: tuple[float, int] | None = None
+
     if arrival == "burst":
         send(len(pending))
     elif arrival == "closed":
@@ -138,13 +143,17 @@ def drive(engine: Engine, requests: list[Request], concurrency: int, arrival: st
                 continue
             send(due)
         engine.step()
-        if arrival == "closed":
+        if arrival == "closed" and pending:
             send(concurrency - sum(1 for o in outs if not o.finished))
+            if not pending:
+                steady = (time.perf_counter() - start, sum(len(o.tokens) for o in outs))
     m.end = time.perf_counter()
     s = engine.summary()
     s["decode_tok_per_s"] = m.decode_tokens / m.decode_time if m.decode_time else 0.0
     s["prefill_tok_per_s"] = m.prefill_tokens / m.prefill_time if m.prefill_time else 0.0
     s["decode_time_s"], s["prefill_time_s"] = m.decode_time, m.prefill_time
+    s["steady_tok_per_s"] = steady[1] / steady[0] if steady else None
+    s["steady_window_s"] = steady[0] if steady else None
     s["offered_concurrency"] = int(concurrency)
     s["num_pages"] = engine.num_pages
     s["finish_reasons"] = {r: sum(1 for o in outs if o.finish_reason == r) for r in {o.finish_reason for o in outs}}

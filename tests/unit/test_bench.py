@@ -1,0 +1,266 @@
+"""phaseserve.bench: config composition and validation, the Hydra -> engine translation, workloads, the client
+loop against a tiny engine, statistics, tables and plots."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import phaseserve as ps
+from phaseserve.bench import measure, schema, workload
+from phaseserve.bench import report as rp
+from phaseserve.bench.schema import REPO_ROOT, LengthSpec
+from phaseserve.cache.paged import kv_bytes_per_page, pages_for_budget
+from phaseserve.config import ConfigError
+
+CONFIGS = str(REPO_ROOT / "configs")
+TINY = ["model=tiny_mla", "progress=false"]
+
+
+def _compose(name: str = "config", overrides=()):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+# ---- composition ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["config", "experiment/kv_dtype", "experiment/weight_dtype", "experiment/integrity",
+                                  "experiment/reproduce"])
+def test_every_primary_config_composes(name):
+    cfg = _compose(name)
+    assert set(cfg) >= {"model", "quant", "cache", "mesh", "engine", "workload", "experiment"}
+    if name != "config":
+        assert cfg.experiment.name == name.split("/")[1]
+
+
+def test_experiment_defaults_select_their_groups():
+    kv = _compose("experiment/kv_dtype")
+    assert list(kv.quant.kv) == ["bfloat16", "float8_e4m3fn"]
+    assert kv.cache.kv_budget_requests == 16 and kv.cache.num_pages is None
+    assert list(kv.workload.concurrency) == [1, 4, 8, 16, 32]
+    integ = _compose("experiment/integrity")
+    assert list(integ.experiment.arms) == ["on", "off", "noop"]  # strings, not YAML booleans
+    assert integ.experiment.reference == "off" and integ.workload.prompt.mean == 160
+
+
+@pytest.mark.parametrize("bad", ["quant.bogus=1", "cache.page_size=sixteen", "workload.prompt.bogus=3",
+                                 "model.checkpoint_dir=x"])
+def test_schema_rejects_unknown_keys_and_bad_types(bad):
+    with pytest.raises(Exception, match="bogus|sixteen|checkpoint_dir"):
+        _compose("config", [bad])
+
+
+def test_model_group_options_resolve_to_configs():
+    for option, arch in [("tiny_mla", "DeepseekV3ForCausalLM"), ("tiny_gqa", "Qwen3MoeForCausalLM"),
+                         ("moonlight", "DeepseekV3ForCausalLM"), ("glm5", "GlmMoeDsaForCausalLM"),
+                         ("default_random", "DeepseekV3ForCausalLM")]:
+        cfg = _compose("config", [f"model={option}"])
+        model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+        assert model_cfg.architecture == arch, option
+    cut = _compose("config", ["model=kimi_k26", "+model.overrides.num_hidden_layers=2"])
+    assert ps.ModelConfig.from_hf_config(schema.hf_dict(cut.model)).num_layers == 2
+
+
+def test_experiment_spec_validates_the_experiment_node():
+    from phaseserve.bench.kv_dtype import KvDtypeSpec
+
+    cfg = _compose("experiment/kv_dtype", ["experiment.repeats=5"])
+    assert schema.experiment_spec(cfg, KvDtypeSpec).repeats == 5
+    bad = OmegaConf.create({"experiment": {"name": "kv_dtype", "repeatz": 1}})
+    with pytest.raises(Exception, match="repeatz"):
+        schema.experiment_spec(bad, KvDtypeSpec)
+
+
+# ---- Hydra -> engine objects ------------------------------------------------------------------------------
+def test_serve_config_maps_every_field():
+    cfg = _compose("config", TINY + ["quant=phase", "quant.kv=fp8", "cache.num_pages=77", "cache.integrity=false",
+                                     "cache.admission=on_demand", "engine.mode=colocated", "engine.max_batch=5",
+                                     "engine.max_prefill_tokens=512", "mesh=cpu8"])
+    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+    s = schema.serve_config(cfg, model_cfg)
+    assert (s.quant.prefill_weights, s.quant.decode_weights, s.quant.kv_dtype) == ("fp8", "int4", "float8_e4m3fn")
+    assert s.quant.fp8_block == (128, 128) and s.quant.int4_group_size == 128
+    assert (s.cache.num_pages, s.cache.integrity, s.cache.admission, s.cache.page_size) == (77, False, "on_demand", 16)
+    assert (s.mode, s.max_batch, s.max_prefill_tokens) == ("colocated", 5, 512)
+    assert s.mesh == ps.MeshConfig(prefill_devices=(0, 1), decode_devices=(2, 3, 4, 5), prefill_tp=2, decode_tp=2,
+                                   decode_ep=2)
+
+
+def test_serve_config_refuses_sweep_lists_and_ambiguous_sizes():
+    cfg = _compose("experiment/kv_dtype", TINY)
+    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+    with pytest.raises(ConfigError, match="quant.kv is a sweep list"):
+        schema.serve_config(cfg, model_cfg)
+    both = _compose("config", TINY + ["cache.kv_budget_bytes=100000"])  # num_pages is set by cache/default too
+    with pytest.raises(ConfigError, match="exactly one of"):
+        schema.serve_config(both, model_cfg)
+    one = _compose("config", TINY + ["workload.concurrency=[2,6]"])
+    assert schema.serve_config(one, model_cfg).max_batch == 6  # the largest swept concurrency
+
+
+def test_budget_in_requests_holds_exactly_that_many_bf16_requests():
+    cfg = _compose("experiment/kv_dtype", TINY + ["quant.kv=bf16", "cache.kv_budget_requests=3"])
+    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+    per_req = schema.pages_per_request(32, 64, 16)
+    assert per_req == math.ceil((32 + 64 - 1) / 16) == 6
+    budget = schema.budget_bytes_for_requests(model_cfg, cfg)
+    assert budget == (3 * 6 + 1) * kv_bytes_per_page(model_cfg, "bfloat16", 16)
+    assert pages_for_budget(model_cfg, "bfloat16", 16, budget) == 3 * 6 + 1
+    fp8_pages = pages_for_budget(model_cfg, "float8_e4m3fn", 16, budget) - 1
+    assert 2 * 3 * 6 > fp8_pages >= int(1.9 * 3 * 6)  # the scale bytes keep it just under 2x
+    assert schema.serve_config(cfg, model_cfg).cache.kv_budget_bytes == budget
+
+
+# ---- workloads --------------------------------------------------------------------------------------------
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    assert (workload.sample_lengths(LengthSpec("fixed", 7), 5, rng) == 7).all()
+    u = workload.sample_lengths(LengthSpec("uniform", 0, 3, 9), 2000, rng)
+    assert u.min() == 3 and u.max() == 9
+    ln = workload.sample_lengths(LengthSpec("lognormal", 50, 10, 80, 0.8), 4000, rng)
+    assert ln.min() >= 10 and ln.max() <= 80 and 40 <= np.median(ln) <= 60 and (ln == 80).any()
+    assert workload.max_length(LengthSpec("uniform", 0, 3, 9)) == 9 and workload.max_length(LengthSpec(mean=12)) == 12
+    with pytest.raises(ValueError, match="unknown length distribution"):
+        workload.sample_lengths(LengthSpec("zipf"), 2, rng)
+    with pytest.raises(ValueError, match="min <= max"):
+        workload.sample_lengths(LengthSpec("uniform", 0, 9, 3), 2, rng)
+
+
+def test_requests_follow_the_workload():
+    w = _compose("config", TINY + ["workload.shared_prefix=5", "workload.output.dist=uniform", "workload.output.min=2",
+                                   "workload.output.max=6"]).workload
+    reqs = workload.make_requests(w, 100, 40, seed=3, tag="x")
+    assert len({r.id for r in reqs}) == 40 and all(r.id.startswith("x-") for r in reqs)
+    assert all(32 <= len(r.prompt) <= 96 and 2 <= r.max_tokens <= 6 and r.ignore_eos for r in reqs)
+    assert all(r.prompt[:5] == reqs[0].prompt[:5] for r in reqs) and len({tuple(r.prompt[5:]) for r in reqs}) == 40
+    again = workload.make_requests(w, 100, 40, seed=3, tag="y")
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]  # same seed: same requests for every arm
+    assert workload.num_requests(w, 8) == 16 and workload.num_requests(w, 1) == 4
+
+
+# ---- the client loop on a tiny engine ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine():
+    """serve_config_from_hydra -> Engine: 6 usable pages of 8 tokens hold 3 requests of 12 + 5 tokens (2 pages)."""
+    cfg = _compose("config", TINY + ["+model.overrides.num_hidden_layers=1", "workload.concurrency=4",
+                                     "cache.num_pages=7", "cache.page_size=8",
+                                     "workload.prompt.dist=fixed", "workload.prompt.mean=12", "workload.output.mean=5"])
+    model_cfg, params, serve = schema.serve_config_from_hydra(cfg)
+    assert isinstance(serve, ps.ServeConfig) and serve.max_batch == 4 and serve.cache.num_pages == 7
+    eng = ps.Engine(model_cfg, params, serve)
+    workload.warmup(eng, cfg.workload, 4, model_cfg.vocab_size)
+    return cfg, model_cfg, eng
+
+
+def test_closed_loop_keeps_concurrency_in_flight_and_the_cache_limits_admission(tiny_engine):
+    cfg, model_cfg, eng = tiny_engine
+    reqs = workload.make_requests(cfg.workload, model_cfg.vocab_size, 7, seed=1, tag="closed")
+    s = workload.drive(eng, reqs, 2, "closed")
+    assert s["completed"] == 7 and s["output_tokens"] == 35 and s["peak_concurrency"] == 2
+    assert s["finish_reasons"] == {"length": 7} and s["offered_concurrency"] == 2
+    s = workload.drive(eng, reqs, 4, "closed")  # 4 offered, the pages admit 3
+    assert s["completed"] == 7 and s["peak_concurrency"] == 3 and s["peak_pages_in_use"] == 6
+    probe = workload.probe_admission(eng, workload.make_requests(cfg.workload, model_cfg.vocab_size, 4, seed=2,
+                                                                 tag="probe"))
+    assert probe == {"offered": 4, "admitted": 3, "pages_in_use": 6, "usable_pages": 6}
+    assert eng.allocator.num_free == eng.num_pages - 1 and not eng.has_work
+
+
+def test_burst_and_poisson_arrivals_complete_everything(tiny_engine):
+    cfg, model_cfg, eng = tiny_engine
+    reqs = workload.make_requests(cfg.workload, model_cfg.vocab_size, 6, seed=4, tag="burst")
+    s = workload.drive(eng, reqs, 4, "burst")
+    assert s["completed"] == 6 and s["peak_concurrency"] == 3
+    reqs = workload.make_requests(cfg.workload, model_cfg.vocab_size, 5, seed=5, tag="poisson")
+    s = workload.drive(eng, reqs, 4, "poisson", rate=200.0)
+    assert s["completed"] == 5 and s["wall_s"] > 0
+    with pytest.raises(ValueError, match="arrival"):
+        workload.drive(eng, reqs, 4, "sometimes")
+
+
+def test_warmup_leaves_nothing_to_compile_in_timed_runs(tiny_engine):
+    cfg, model_cfg, eng = tiny_engine
+    before = measure.CompileCounter.count()
+    for conc in (1, 3, 4):
+        reqs = workload.make_requests(cfg.workload, model_cfg.vocab_size, 5, seed=conc, tag=f"w{conc}")
+        workload.drive(eng, reqs, conc, "closed")
+    assert measure.CompileCounter.count() == before
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0))
+    assert measure.CompileCounter.count() > before  # the counter does see compilations
+
+
+def test_reset_refuses_a_busy_or_leaking_engine(tiny_engine):
+    cfg, model_cfg, eng = tiny_engine
+    eng.add_request(ps.Request(id="busy", prompt=[1, 2, 3], max_tokens=2, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="queued or running"):
+        workload.reset_engine(eng, 2)
+    eng.generate([])
+    leak = eng.allocator.allocate(1)
+    with pytest.raises(RuntimeError, match="leak"):
+        workload.reset_engine(eng, 2)
+    eng.allocator.free(leak)
+    workload.reset_engine(eng, 3)
+    assert eng.scheduler.max_batch == 3 and eng.summary()["requests"] == 0
+
+
+# ---- statistics -------------------------------------------------------------------------------------------
+def _rec(arm, point, rep, tput, p95=None):
+    return {"arm": arm, "point": point, "repeat": rep, "output_tok_per_s": tput, "e2e": {"p95": p95}}
+
+
+def test_aggregate_and_paired_ratios():
+    recs = [_rec("a", 1, 0, 100.0, 2.0), _rec("b", 1, 0, 150.0, 1.0), _rec("a", 1, 1, 120.0, 4.0),
+            _rec("b", 1, 1, 120.0, None), _rec("a", 1, 2, 80.0, 3.0), _rec("b", 1, 2, 100.0, 6.0)]
+    agg = measure.aggregate(recs, ["output_tok_per_s", "e2e.p95"])
+    assert agg["a"][1]["output_tok_per_s"] == {"median": 100.0, "min": 80.0, "max": 120.0, "n": 3,
+                                               "rel_spread": 0.4}
+    assert agg["b"][1]["e2e.p95"]["n"] == 2 and agg["b"][1]["e2e.p95"]["median"] == 3.5
+    r = measure.paired(recs, "b", "a", "output_tok_per_s")[1]
+    assert r["values"] == [1.5, 1.0, 1.25] and r["median"] == 1.25 and (r["min"], r["max"]) == (1.0, 1.5)
+    assert measure.paired(recs, "b", "a", "e2e.p95")[1]["values"] == [0.5, 2.0]  # the None repeat is skipped
+    assert measure.stats([None])["median"] is None
+    assert measure.rotated(["x", "y", "z"], 4) == ["y", "z", "x"]
+
+
+def test_interleaved_rotates_the_arm_order_and_counts_compiles():
+    calls = []
+    recs = measure.interleaved({"a": None, "b": None}, [1, 2], 2,
+                               lambda eng, arm, p, rep: calls.append((rep, p, arm)) or {"x": 1}, desc="t",
+                               progress=False)
+    assert calls == [(0, 1, "a"), (0, 1, "b"), (0, 2, "b"), (0, 2, "a"), (1, 1, "b"), (1, 1, "a"), (1, 2, "a"),
+                     (1, 2, "b")]
+    assert all(r["compiles"] == 0 for r in recs) and [r["order"] for r in recs[:4]] == [0, 1, 0, 1]
+
+
+# ---- tables and plots -------------------------------------------------------------------------------------
+def test_formatting_and_markdown():
+    assert rp.fmt(1558.4) == "1,558" and rp.fmt(0.012345) == "0.0123" and rp.fmt(3) == "3" and rp.fmt(None) == "–"
+    assert rp.pct(1.41) == "+41.0%" and rp.pct(0.7) == "-30.0%" and rp.pct(None) == "–"
+    assert rp.spread({"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}) == "2.00 [1.00, 3.00]"
+    assert rp.pct_spread({"median": 1.1, "min": 1.0, "max": 1.2, "n": 2}) == "+10.0% [+0.0%, +20.0%]"
+    md = rp.markdown_table(["a", "b"], [[1, 2.5], ["x", None]])
+    assert md.splitlines() == ["| a | b |", "|---|---|", "| 1 | 2.50 |", "| x | – |"]
+
+
+def test_plots_and_outputs_are_written(tmp_path):
+    series = {"A": ([1, 2, 4], [1.0, 2.0, None], [0.5, 1.5, None], [1.5, 2.5, None]), "B": ([1, 2], [2.0, 1.0],
+                                                                                             None, None)}
+    for path in (rp.line_plot(tmp_path / "l.png", series, xlabel="x", ylabel="y", title="t", hlines={"cap": 1.5}),
+                 rp.bar_plot(tmp_path / "b.png", ["g"], {"A": ([3.0], [2.0], [4.0]), "B": ([1.0], None, None)},
+                             ylabel="y", title="t")):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    cfg = _compose("config", TINY)
+    paths = rp.write_outputs(tmp_path / "out", cfg, {"x": np.float32(1.5), "y": float("nan"), "k": {1: [2]}}, "# hi")
+    assert paths["json"].read_text().count('"x": 1.5') == 1 and '"y": null' in paths["json"].read_text()
+    assert paths["markdown"].read_text() == "# hi\n" and "tiny-mla-moe" in paths["config"].read_text()
+
+
+def test_environment_record():
+    env = measure.environment()
+    assert env["machine"] and env["jax"] == __import__("jax").__version__ and env["cpu_cores"] >= 1
+    assert len(env["load_average_1m_5m_15m"]) == 3 and env["date"][:2] == "20"
