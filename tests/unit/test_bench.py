@@ -264,3 +264,23 @@ def test_environment_record():
     env = measure.environment()
     assert env["machine"] and env["jax"] == __import__("jax").__version__ and env["cpu_cores"] >= 1
     assert len(env["load_average_1m_5m_15m"]) == 3 and env["date"][:2] == "20"
+
+
+def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
+    from phaseserve.bench import multirun
+
+    for job, kv, tput in (("0", "bf16", 100.0), ("1", "fp8", 150.0), ("10", "fp8", 90.0)):
+        d = tmp_path / job
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- quant.kv={kv}\n- model=tiny_mla\n")
+        agg = {kv.upper(): {"8": {"steady_tok_per_s": {"median": tput}, "peak_concurrency": {"median": 8.0}}}}
+        rp.write_json(d / "results.json", {"experiment": "kv_dtype", "aggregate": agg})
+    (tmp_path / "2").mkdir()  # a failed job without results is skipped
+    data = multirun.collect(tmp_path)
+    assert data["jobs"] == ["0", "1", "10"] and [r["steady_tok_per_s"] for r in data["rows"]] == [100.0, 150.0, 90.0]
+    md = multirun.summary_markdown(data)
+    assert "Overrides common to every job: `model=tiny_mla`" in md and "take no ratios" in md
+    assert "| 1 | quant.kv=fp8 | FP8 | 8 | 150 | 8.00 |" in md and "end-to-end" not in md
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    multirun.MultirunSummary().on_multirun_end(cfg)
+    assert (tmp_path / "README.md").read_text() == md and (tmp_path / "summary.json").exists()
