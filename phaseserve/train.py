@@ -402,6 +402,35 @@ def plot_history(history: dict, path: str | Path) -> Path:
     return path
 
 
+def model_card(summary: dict) -> str:
+    """The README.md written next to the exported checkpoint."""
+    c, m = summary["config"], summary["config"]["model"]
+    tool = summary.get("tool_calls")
+    tool_line = (f"- tool calls on {tool['n']} held-out requests (greedy): valid JSON matching the schema "
+                 f"{tool['validity']:.1%}, exact match {tool['exact_match']:.1%}\n") if tool else ""
+    return f"""# phaseserve default model
+
+A {summary['parameters'] / 1e6:.2f}M-parameter DeepSeek-V3-architecture model (`DeepseekV3ForCausalLM`) trained
+from scratch by `experiments/train.py` (configs/train.yaml) on a CPU: byte-level tokens (tokenizer.json),
+standard-library Python source mixed with synthetic tool-call requests (`phaseserve.data`).
+
+- {m['num_layers']} layers (first {m['first_k_dense']} dense), hidden {m['hidden_size']}, {m['num_heads']} heads; \
+MLA with q_lora {m['q_lora_rank']}, kv_lora {m['kv_lora_rank']}, qk_nope {m['qk_nope_head_dim']}, \
+qk_rope {m['qk_rope_head_dim']}, v {m['v_head_dim']}; {m['num_experts']} routed experts \
+(top-{m['experts_per_tok']}, sigmoid routing with correction bias) + {m['shared_experts']} shared, \
+expert width {m['moe_intermediate_size']}; context \
+{m['max_position_embeddings']}
+- {c['steps']} steps of {c['batch_size']}x{c['seq_len']} tokens, AdamW (peak lr {c['lr']}), seed {c['seed']}; \
+{summary['wall_s'] / 60:.0f} min wall time
+- held-out text: {summary['heldout_text']['nll']:.3f} nats/byte, perplexity {summary['heldout_text']['ppl']:.2f} \
+(uniform over bytes: 256)
+{tool_line}
+Prompt format: `<bos>{{request}}\\n`; the model answers `<tool_call>{{json}}</tool_call><eos>`.
+Weights are bfloat16 (routers and correction biases float32). Load with `phaseserve.load_checkpoint(path)` or
+`transformers.AutoModelForCausalLM.from_pretrained(path)`.
+"""
+
+
 def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     """Export the trained model, reload it the way users do and evaluate the shipped (exported) weights."""
     from phaseserve.eval.cached_decode import cached_greedy_generate_fn
@@ -429,6 +458,7 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
         report = evaluate_tool_calls(gen, examples(c.final_tool_eval, "heldout", seed=1))
         summary["tool_calls"] = {**report.as_dict(), "failures": report.failures, "eval_s": time.time() - t0}
     log(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
+    (out / "README.md").write_text(model_card(summary))
     (res / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (res / "history.json").write_text(json.dumps(history) + "\n")
     plot_history(history, res / "loss_curve.png")

@@ -61,7 +61,8 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids, skip_special: bool = False) -> str:
-        """ids (any int sequence) -> text; runs of bytes are decoded together (invalid UTF-8 is replaced)."""
+        """ids (any int sequence) -> text. Each run of bytes between special tokens is decoded as UTF-8 on its
+        own (invalid sequences become U+FFFD), also when the specials are skipped."""
         names = {v: k for k, v in self.special_ids.items()}
         out: list[str] = []
         run = bytearray()

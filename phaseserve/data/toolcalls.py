@@ -7,6 +7,10 @@ A tool call is the JSON object ``{"name": <tool>, "arguments": {...}}``; an exam
     <bos>What's the weather in Lisbon in celsius?\\n<tool_call>{"name": "get_weather", ...}</tool_call><eos>
     |--------------------- prompt ----------------|------------------- completion -------------------|
 
+Argument values are drawn half from small fixed lists (real city names, topics, people) and half invented
+(syllable names, random word pairs, random numbers), so a model cannot answer from memorised values alone:
+it has to copy the argument out of the request, which is what exact match measures.
+
 Split: a request belongs to the held-out set when the SHA-1 of its text is 0 mod 10 (about 10% of all
 requests), so a held-out request never occurs in training and the split needs no stored list.
 
@@ -173,6 +177,42 @@ _SUBJECTS = ["the quarterly report", "lunch on Friday", "the project deadline", 
              "the contract draft", "team offsite", "book club", "invoice 42", "the launch date"]
 
 
+_SYLLABLES = ["ka", "lo", "mi", "ra", "ven", "tor", "sa", "bel", "do", "ru", "ni", "qua", "zen", "pe", "lin",
+              "go", "tha", "mor", "vi", "sul", "ek", "an", "bri", "cas", "fel", "ho", "jun", "wa", "yor", "del"]
+_WORDS = ["garden", "river", "copper", "winter", "yellow", "quiet", "rocket", "silver", "market", "forest", "orange",
+          "planet", "engine", "castle", "tiger", "paper", "cloud", "harbor", "violin", "desert", "island", "candle",
+          "mirror", "pocket", "bridge", "window", "dragon", "marble", "meadow", "thunder", "lantern", "pepper",
+          "falcon", "glacier", "velvet", "compass", "puzzle", "canyon", "ember", "willow", "anchor", "basket",
+          "cobalt", "dolphin", "feather", "granite", "honey", "jungle", "kettle", "lemon", "magnet", "nectar",
+          "olive", "pillow", "quartz", "saddle", "timber", "umbrella", "walnut", "zebra", "recipes", "history",
+          "prices", "maps", "tickets", "reviews", "schedule", "festival", "museum", "training", "repair", "tutorial"]
+
+
+def _invented_name(rng: random.Random, parts: tuple[int, int] = (2, 3)) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(*parts)))
+
+
+def _city(rng: random.Random) -> str:
+    return rng.choice(_CITIES) if rng.random() < 0.5 else _invented_name(rng).capitalize()
+
+
+def _query(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return rng.choice(_TOPICS)
+    return " ".join(rng.sample(_WORDS, rng.randint(2, 3)))
+
+
+def _address(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return f"{rng.choice(_NAMES)}@{rng.choice(_DOMAINS)}"
+    name = _invented_name(rng) + ("." + _invented_name(rng, (1, 2)) if rng.random() < 0.3 else "")
+    return f"{name}@{_invented_name(rng, (1, 2))}.{rng.choice(['com', 'org', 'net'])}"
+
+
+def _subject(rng: random.Random) -> str:
+    return rng.choice(_SUBJECTS) if rng.random() < 0.5 else "the " + " ".join(rng.sample(_WORDS, 2))
+
+
 def _amount(rng: random.Random) -> int | float:
     r = rng.random()
     if r < 0.5:
@@ -186,7 +226,7 @@ def sample_example(rng: random.Random) -> ToolExample:
     """One random request (uniform over the five tools)."""
     tool = rng.choice(sorted(TOOLS))
     if tool == "get_weather":
-        city, unit = rng.choice(_CITIES), rng.choice(["celsius", "fahrenheit"])
+        city, unit = _city(rng), rng.choice(["celsius", "fahrenheit"])
         text = rng.choice(_WEATHER)
         args = {"city": city, "unit": unit} if "{unit}" in text else {"city": city}
         return ToolExample(text.format(city=city, unit=unit), {"name": tool, "arguments": args})
@@ -200,10 +240,9 @@ def sample_example(rng: random.Random) -> ToolExample:
         m = rng.choice([rng.randint(1, 60), rng.randint(1, 180), rng.choice([90, 120, 240, 480, 720])])
         return ToolExample(rng.choice(_TIMER).format(m=m), {"name": tool, "arguments": {"minutes": m}})
     if tool == "search_web":
-        q = rng.choice(_TOPICS)
+        q = _query(rng)
         return ToolExample(rng.choice(_SEARCH).format(q=q), {"name": tool, "arguments": {"query": q}})
-    to = f"{rng.choice(_NAMES)}@{rng.choice(_DOMAINS)}"
-    s = rng.choice(_SUBJECTS)
+    to, s = _address(rng), _subject(rng)
     return ToolExample(rng.choice(_EMAIL_T).format(to=to, s=s), {"name": tool, "arguments": {"to": to, "subject": s}})
 
 
