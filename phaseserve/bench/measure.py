@@ -40,9 +40,10 @@ class Arm:
 
 # ---- compilation counter ----------------------------------------------------------------------------------
 class CompileCounter:
-    """Counts JAX lowerings (a new compilation or a persistent-cache load) through ``jax.monitoring``."""
+    """Counts JAX lowerings (each a new compilation or a persistent-cache load) and persistent compilation cache
+    hits and misses through ``jax.monitoring``."""
 
-    _count = 0
+    _counts = {"lowerings": 0, "cache_hits": 0, "cache_misses": 0}
     _installed = False
 
     @classmethod
@@ -51,17 +52,30 @@ class CompileCounter:
             return
         import jax
 
-        def listener(event: str, duration: float, **_: Any) -> None:
+        def on_duration(event: str, duration: float, **_: Any) -> None:
             if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-                cls._count += 1
+                cls._counts["lowerings"] += 1
 
-        jax.monitoring.register_event_duration_secs_listener(listener)
+        def on_event(event: str, **_: Any) -> None:
+            if event == "/jax/compilation_cache/cache_hits":
+                cls._counts["cache_hits"] += 1
+            elif event == "/jax/compilation_cache/cache_misses":
+                cls._counts["cache_misses"] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
         cls._installed = True
 
     @classmethod
     def count(cls) -> int:
+        """Lowerings so far."""
         cls.install()
-        return cls._count
+        return cls._counts["lowerings"]
+
+    @classmethod
+    def snapshot(cls) -> dict[str, int]:
+        cls.install()
+        return dict(cls._counts)
 
 
 # ---- engines ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from phaseserve.bench import integrity, kv_dtype, weight_dtype
 from phaseserve.bench import report as rp
-from phaseserve.bench.measure import environment
+from phaseserve.bench.measure import CompileCounter, environment
 from phaseserve.bench.schema import REPO_ROOT, experiment_spec, repo_path
 
 RUNNERS = {"kv_dtype": kv_dtype.run, "weight_dtype": weight_dtype.run, "integrity": integrity.run}
@@ -52,8 +52,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     for name in spec.experiments:
         sub = (out_dir if name == "capacity" else root) / name  # capacity never writes outside this run's directory
         overrides = (list(spec.overrides) if name != "capacity" else []) + list(spec.per_experiment.get(name, []))
-        t0 = time.perf_counter()
         log(f"== {name} -> {sub} (overrides: {overrides})")
+        t0, c0 = time.perf_counter(), CompileCounter.snapshot()
         if name == "capacity":
             res = run_capacity(sub, overrides)
             if res is None:
@@ -62,7 +62,9 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         else:
             sub_cfg = compose(config_name=f"experiment/{name}", overrides=overrides)
             res = RUNNERS[name](sub_cfg, sub, log=log)
+        c1 = CompileCounter.snapshot()
         results["runs"][name] = {"dir": os.path.relpath(sub, out_dir), "seconds": time.perf_counter() - t0,
+                                 "compilation": {k: c1[k] - c0[k] for k in c1},
                                  "overrides": overrides, "headline": res.get("headline"),
                                  "summary": _summary(name, res)}
     rp.write_outputs(out_dir, cfg, results, _markdown(results))
@@ -149,10 +151,14 @@ def _markdown(res: dict) -> str:
              "(DESIGN.md).", ""]
     rows = [list(r) for run in res["runs"].values() for r in run["summary"]]
     lines += [rp.markdown_table(["result", "published (GPU)", "measured here"], rows), ""]
-    lines += ["## Runs", "", rp.markdown_table(
-        ["experiment", "report", "runtime (s)", "overrides"],
-        [[n, f"[{r['dir']}/README.md]({r['dir']}/README.md)", rp.fmt(r["seconds"]), " ".join(r["overrides"]) or "–"]
-         for n, r in res["runs"].items()]), ""]
+    lines += ["## Runs", "", "Runtime includes building and warming up every engine; XLA compilations are served "
+              "from the persistent cache (`jax_cache_dir`) when an earlier run compiled the same shapes.", "",
+              rp.markdown_table(
+                  ["experiment", "report", "runtime (s)", "lowerings (persistent-cache hits / misses)", "overrides"],
+                  [[n, f"[{r['dir']}/README.md]({r['dir']}/README.md)", rp.fmt(r["seconds"]),
+                    f"{r['compilation']['lowerings']} ({r['compilation']['cache_hits']} / "
+                    f"{r['compilation']['cache_misses']})", " ".join(r["overrides"]) or "–"]
+                   for n, r in res["runs"].items()]), ""]
     lines += ["Each sub-report states where the CPU measurement departs from the published shape and why.", "",
               rp.environment_section(res["environment"]), ""]
     return "\n".join(lines)
