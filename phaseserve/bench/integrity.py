@@ -321,9 +321,10 @@ def _notes(res: dict, concs: list[int], ref: str) -> list[str]:
         out.append("- Time the check adds to a decode step (TPOT p50, on minus off): " + "; ".join(added) + ". "
                    "Published: under 1% on 8,192-token inputs with 1,000-token outputs on GPUs. The check is one "
                    "extra small jitted launch per decode step (a gather of every row's page tags, a compare) plus a "
-                   "finite guard inside the step; its cost does not grow with the KV a step reads, so its share is "
-                   "largest where steps are short -- as on this CPU with a 256-position model -- and smallest for "
-                   "8k-token contexts. Read each delta against the A/A delta of the same concurrency.")
+                   "finite guard on each layer's attention output inside the step; its work grows with the rows and "
+                   "pages of the batch, not with the KV bytes a step reads, so its share is largest where steps are "
+                   "short -- as on this CPU with a 256-position model -- and smallest for 8k-token contexts. Read "
+                   "each delta against the A/A delta of the same concurrency.")
     m = res["fault_matrix"]
     if m and "on" in m["totals"]:
         t = m["totals"]["on"]

@@ -137,3 +137,4 @@ def test_reproduce_runs_the_experiments_into_one_report(tmp_path):
         assert (tmp_path / "capacity" / "capacity.json").exists()
         assert data["runs"]["capacity"]["summary"][0][0].startswith("planner vs published")
     assert "| result | published (GPU) | measured here |" in md and "## Environment" in md
+    assert "## Where this machine agrees with the published shape" in md and "capacity under one budget" in md

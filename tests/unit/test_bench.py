@@ -284,3 +284,30 @@ def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     multirun.MultirunSummary().on_multirun_end(cfg)
     assert (tmp_path / "README.md").read_text() == md and (tmp_path / "summary.json").exists()
+
+
+def test_gpu_recipe_composes_to_the_published_budget_shape():
+    """The (not yet run) one-H200 recipe: Moonlight shapes, a budget of 32 BF16 requests of 1,024 + 256 tokens."""
+    cfg = _compose("experiment/kv_dtype", ["model=moonlight", "mesh=single", "cache=gpu_budget",
+                                           "workload=gpu_kv_budget", "engine.max_prefill_tokens=16384"])
+    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+    budget = schema.budget_bytes_for_requests(model_cfg, cfg)
+    per_req = schema.pages_per_request(1024, 256, 16)
+    assert per_req == 80 and budget == (32 * 80 + 1) * kv_bytes_per_page(model_cfg, "bfloat16", 16)
+    fp8_requests = (pages_for_budget(model_cfg, "float8_e4m3fn", 16, budget) - 1) // per_req
+    assert fp8_requests == 63  # 2 * 576 / (576 + 4) = 1.986x, rounded down to whole requests
+    assert budget < 2 * 2**30 and 1024 + 256 <= 128 * 16 <= model_cfg.max_position_embeddings
+
+
+def test_reproduce_verdicts_say_plainly_what_was_and_was_not_reproduced():
+    from phaseserve.bench.reproduce import _verdicts
+
+    kv = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 1.88, "peak_gain": 0.91}})
+    assert kv[0].endswith("reproduced.") and "NOT reproduced on this CPU" in kv[1] and "-9.0%" in kv[1]
+    w = _verdicts("weight_dtype", {"int4": {"decode_ratio_min": 1.2, "decode_ratio_max": 1.5, "prefill_ratio": 0.85,
+                                            "decode_ratio_c1": 1.3}})
+    assert "magnitude within" in w[0] and w[1] == "- int4 prefill loss: -15.0% -- reproduced (published -15%)."
+    i = _verdicts("integrity", {"on": {"throughput_delta_by_concurrency": {1: 0.995, 8: 1.05}},
+                                "faults": {"on": {"detected": 3, "injected": 4, "false_positives": 0}}})
+    assert i[0].endswith("NOT reproduced.") and "at most 5.0%" in i[1] and "larger than" in i[1]
+    assert _verdicts("capacity", {"published_figures": 7, "within_3pct": 7})[0].endswith("reproduced.")
