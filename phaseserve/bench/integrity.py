@@ -47,7 +47,7 @@ class IntegritySpec:
     name: str = "integrity"
     arms: Any = field(default_factory=lambda: ["on", "off", "noop"])  # subset of on / off / noop, or one
     reference: str = "off"  # denominator of the overhead ratios
-    repeats: int = 3
+    repeats: int = 5
     faults: list[str] = field(default_factory=lambda: list(FAULTS))
     fault_trackers: list[str] = field(default_factory=lambda: ["on", "noop"])
     fault_trials: int = 2  # per fault and tracker (a different victim and step each)

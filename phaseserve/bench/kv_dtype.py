@@ -44,7 +44,7 @@ SHORT = {"bfloat16": "BF16", "float8_e4m3fn": "FP8", "float32": "F32"}
 @dataclass
 class KvDtypeSpec:
     name: str = "kv_dtype"
-    repeats: int = 2  # interleaved repeats of the whole sweep
+    repeats: int = 3  # interleaved repeats of the whole sweep
     probe_concurrency: int | None = None  # offered load of the admission probe; None: 2x the largest concurrency
     reference: str = "bfloat16"  # the denominator of every ratio
 

@@ -112,7 +112,8 @@ def progress_bar(total: int, desc: str, enabled: bool):
 def interleaved(engines: dict[str, Engine], points: list[Any], repeats: int,
                 run: Callable[[Engine, str, Any, int], dict], *, desc: str, progress: bool = True) -> list[dict]:
     """For each repeat and point, run every arm once (order rotated); ``run(engine, arm, point, repeat)`` returns
-    a record dict. Adds ``arm``, ``point``, ``repeat``, ``order`` and ``compiles`` to each record."""
+    a record dict. Adds ``arm``, ``point``, ``repeat``, ``order``, ``compiles`` and the machine's 1-minute load
+    average (``load_1m``: other processes on a shared machine are the main source of noise) to each record."""
     names = list(engines)
     records = []
     with progress_bar(repeats * len(points) * len(names), desc, progress) as bar:
@@ -123,7 +124,7 @@ def interleaved(engines: dict[str, Engine], points: list[Any], repeats: int,
                     before = CompileCounter.count()
                     rec = run(engines[name], name, point, rep)
                     rec.update(arm=name, point=point, repeat=rep, order=order,
-                               compiles=CompileCounter.count() - before)
+                               compiles=CompileCounter.count() - before, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
                     bar.update(1)
     return records

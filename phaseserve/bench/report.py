@@ -110,8 +110,9 @@ def environment_section(env: dict) -> str:
         "## Environment", "",
         f"- date: {env.get('date')}",
         f"- machine: {env.get('machine')}, {env.get('cpu_cores')} cores; accelerator: {acc}",
-        f"- load average at start (1m, 5m, 15m): {env.get('load_average_1m_5m_15m')} "
-        "(the machine is shared: absolute times are noisy, paired ratios less so)",
+        f"- load average at start (1m, 5m, 15m): {env.get('load_average_1m_5m_15m')} on {env.get('cpu_cores')} cores "
+        "(the machine is shared with other work: absolute times are noisy, paired ratios less so; every record in "
+        "results.json carries the 1-minute load average when it ran)",
         f"- jax {env.get('jax')} (jaxlib {env.get('jaxlib')}), numpy {env.get('numpy')}, hydra {env.get('hydra')}, "
         f"python {env.get('python')}; backend {env.get('backend')}, devices {len(env.get('devices', []))}",
         f"- git commit: {env.get('git_commit')}",

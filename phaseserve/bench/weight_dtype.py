@@ -42,7 +42,7 @@ class WeightDtypeSpec:
     name: str = "weight_dtype"
     weights: Any = field(default_factory=lambda: ["fp8", "int4"])  # policies, each for both phases; or one
     reference: str = "fp8"  # the denominator of every ratio
-    repeats: int = 3
+    repeats: int = 5
     prefill_prompt: int = 128  # prompt tokens per request of the prefill run (max_tokens = 1)
     prefill_requests: int = 16  # requests per prefill run
 
