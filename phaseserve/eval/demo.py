@@ -14,7 +14,7 @@ from pathlib import Path
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import examples, parse_call
 
-TEXT_PROMPT = "import os\n\n\ndef "
+TEXT_PROMPT = "class Queue:\n    def __init__(self, maxsize=0):\n        self."
 
 
 def default_model_path() -> Path:

@@ -28,9 +28,11 @@ TOK = ByteTokenizer()
 N_TOOL = 48
 
 # Measured on the shipped model (float32 compute of the bf16 weights):
-PPL_MAX = 6.0  # held-out perplexity on 16 windows x 256 bytes: MEASURED_PPL; uniform over bytes is 256
-VALIDITY_MIN = 0.85  # schema-valid calls on 48 held-out requests (seed 2): MEASURED_VALID
-EXACT_MIN = 0.0  # exact match on the same 48: MEASURED_EXACT
+PPL_MAX = 5.0  # held-out perplexity on 16 windows x 256 bytes: 4.01 (1.39 nats/byte); uniform over bytes is 256
+VALIDITY_MIN = 0.9  # schema-valid calls on these 48 held-out requests (seed 2): 1.00 (200 requests, seed 1: 1.00)
+# Exact match is not asserted: measured 1/48 here (1/200 with seed 1). The model picks the right tool and
+# emits schema-valid JSON, but it has not learned to copy argument values out of the request (see the
+# model card); its arguments are plausible values of the right kind.
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_greedy_tool_calls_on_heldout_requests(generate):
     print(rep.as_dict(), rep.failures[:2])
     assert rep.has_call >= VALIDITY_MIN
     assert rep.validity >= VALIDITY_MIN
-    assert rep.exact_match >= EXACT_MIN
+    assert rep.exact_match <= rep.validity
 
 
 def test_cached_reference_matches_full_recompute(model, generate):
@@ -78,8 +80,8 @@ def test_cached_reference_matches_full_recompute(model, generate):
     cfg, params = model
     prompts = [ex.prompt_ids(TOK) for ex in examples(4, "heldout", seed=3)]
     prompts.append(TOK.encode("import os\n\n\ndef ", bos=True))
-    full = greedy_generate_fn(params, cfg, batch_size=5)(prompts, 64)
-    assert generate(prompts, 64) == full
+    full = greedy_generate_fn(params, cfg, batch_size=5)(prompts, 40)
+    assert generate(prompts, 40) == full
 
 
 def test_transformers_reads_the_same_model(model):
@@ -97,6 +99,6 @@ def test_transformers_reads_the_same_model(model):
 def test_demo_prints_text_and_a_tool_call(generate):
     lines: list[str] = []
     out = show_default_model(generate_fn=generate, show=lines.append, text_tokens=96)
-    assert out["text"].startswith("import os") and len(out["text"]) > 40
+    assert out["text"].startswith("class Queue") and len(out["text"]) > 80
     assert "=== tool call ===" in lines and any(line.startswith("generated: <tool_call>") for line in lines)
     assert out["valid"], out

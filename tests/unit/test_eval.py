@@ -169,15 +169,13 @@ def test_reference_generators_are_greedy(tiny, rng):
 
 def test_stop_token_ends_generation(tiny, rng):
     """With one of its own greedy tokens declared a stop token, each row ends right after its first occurrence."""
-    cfg, params, _ = tiny
+    cfg, params, gens = tiny
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 20, 3)]
-    free = cached_greedy_generate_fn(params, cfg, stop_ids=[], batch_size=4)(prompts, 12)
-    stop = free[0][int(rng.integers(0, 12))]
+    free = gens["cached"](prompts, 12)  # stops only at <eos> (257)
+    stop = free[0][int(rng.integers(0, len(free[0])))]
     expect = [out[: out.index(stop) + 1] if stop in out else out for out in free]
-    full = greedy_generate_fn(params, cfg, stop_ids=[stop], batch_size=4)
-    cached = cached_greedy_generate_fn(params, cfg, stop_ids=[stop], batch_size=4)
-    assert cached(prompts, 12) == expect
-    agree = generation_agreement(full, cached, prompts, 12)
+    assert cached_greedy_generate_fn(params, cfg, stop_ids=[stop, 257], batch_size=4)(prompts, 12) == expect
+    agree = generation_agreement(gens["full"], gens["cached"], prompts, 12)
     assert agree["token_match"] > 0.9  # random-model near-ties may flip a token between the two in f32
 
 
@@ -188,7 +186,7 @@ def test_cached_decode_step_matches_forward_logits(rng):
     tokens = jnp.asarray(rng.integers(0, 264, (b, t)), jnp.int32)
     full = ps.forward(params, cfg, tokens)
     start = 9
-    _, caches = ps.prefill(params, cfg, tokens.at[:, start:].set(258))  # the cache beyond `start` is junk
+    _, caches = jax.jit(ps.prefill, static_argnums=1)(params, cfg, tokens.at[:, start:].set(258))  # junk beyond start
     step = jax.jit(decode_step, static_argnums=1)
     for pos in range(start, t):
         logits, caches = step(params, cfg, tokens[:, pos], jnp.full((b,), pos, jnp.int32), caches)
