@@ -210,11 +210,26 @@ def _trial(eng, reqs, ref, kind, victim, other, step, tracker, t) -> dict:
 
 
 # ---- report -----------------------------------------------------------------------------------------------
+def within_noise(on: dict, aa: dict | None) -> bool | None:
+    """Paired on/off stats within the noise: the repeat range crosses zero, or the median is no larger than the
+    largest A/A (noop vs off) delta of the same point."""
+    if on.get("median") is None:
+        return None
+    noise = max(abs(v - 1) for v in aa["values"]) if aa and aa.get("values") else None
+    crosses = on["n"] > 1 and on["min"] <= 1 <= on["max"]
+    return bool(crosses or (noise is not None and abs(on["median"] - 1) <= noise))
+
+
 def _headline(res: dict, concs: list[int], ref: str) -> dict:
     out = {}
+    aa = res["deltas"].get("noop")
     for a, d in res["deltas"].items():
         out[a] = {"throughput_delta_by_concurrency": {c: d["throughput"][c]["median"] for c in concs},
-                  "p95_delta_by_concurrency": {c: d["e2e_p95"][c]["median"] for c in concs}}
+                  "p95_delta_by_concurrency": {c: d["e2e_p95"][c]["median"] for c in concs},
+                  "throughput_within_noise": {c: within_noise(d["throughput"][c], aa["throughput"][c] if aa else None)
+                                              for c in concs},
+                  "aa_max_abs_throughput_delta": max((abs(v - 1) for c in concs for v in aa["throughput"][c]["values"]),
+                                                     default=None) if aa else None}
     m = res["fault_matrix"]
     if m:
         out["faults"] = m["totals"]
@@ -304,9 +319,7 @@ def _notes(res: dict, concs: list[int], ref: str) -> list[str]:
             if on["median"] is None:
                 continue
             aa = d_aa[key][c] if d_aa else None
-            noise = max(abs(v - 1) for v in aa["values"]) if aa and aa.get("values") else None
-            crosses = on["n"] > 1 and on["min"] <= 1 <= on["max"]
-            within = crosses or (noise is not None and abs(on["median"] - 1) <= noise)
+            within = within_noise(on, aa)
             parts.append(f"c={c}: {rp.pct_spread(on)}" + (f" vs A/A {rp.pct_spread(aa)}" if aa else "")
                          + (" — within noise" if within else " — outside noise"))
         out.append(f"- on vs {ref}, {label} (paired; 'within noise' = the repeat range crosses zero or the median "

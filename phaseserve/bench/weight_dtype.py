@@ -92,6 +92,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         headline[n] = {"decode_ratio_c1": r["decode"].get(concs[0], {}).get("median"),
                        "decode_ratio_min": min(dec) if dec else None, "decode_ratio_max": max(dec) if dec else None,
                        "prefill_ratio": r["prefill"][PREFILL]["median"],
+                       "prefill_range": [r["prefill"][PREFILL]["min"], r["prefill"][PREFILL]["max"]],
+                       "decode_points": len(concs),
+                       "decode_clear_wins": sum(1 for c in concs if (r["decode"][c]["min"] or 0) > 1),
+                       "decode_clear_losses": sum(1 for c in concs if (r["decode"][c]["max"] or 2) < 1),
                        "decode_weight_bytes_ratio": sizes[n]["decode_weight_bytes"] / sizes[ref]["decode_weight_bytes"]}
     glm = preset_report("glm-5", "glm-fp8")
     glm_share = glm.bytes_of("routed_experts") / glm.total_bytes

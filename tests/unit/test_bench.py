@@ -289,12 +289,23 @@ def test_gpu_recipe_composes_to_the_published_budget_shape():
 def test_reproduce_verdicts_say_plainly_what_was_and_was_not_reproduced():
     from phaseserve.bench.reproduce import _verdicts
 
-    kv = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 1.88, "peak_gain": 0.91}})
+    rep = {"min": 0.8, "max": 0.95, "n": 3}
+    kv = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 1.88, "peak_gain": 0.91, "peak_gain_by_repeat": rep}})
     assert kv[0].endswith("reproduced.") and "NOT reproduced on this CPU" in kv[1] and "-9.0%" in kv[1]
+    mixed = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 1.5, "peak_gain": 1.1,
+                                           "peak_gain_by_repeat": {"min": 0.9, "max": 1.3, "n": 3}}})
+    assert mixed[0].endswith("NOT reproduced.") and "unresolved" in mixed[1] and "-10.0% to +30.0%" in mixed[1]
     w = _verdicts("weight_dtype", {"int4": {"decode_ratio_min": 1.2, "decode_ratio_max": 1.5, "prefill_ratio": 0.85,
-                                            "decode_ratio_c1": 1.3}})
-    assert "magnitude within" in w[0] and w[1] == "- int4 prefill loss: -15.0% -- reproduced (published -15%)."
-    i = _verdicts("integrity", {"on": {"throughput_delta_by_concurrency": {1: 0.995, 8: 1.05}},
+                                            "prefill_range": [0.8, 0.9], "decode_points": 3, "decode_clear_wins": 3,
+                                            "decode_clear_losses": 0}})
+    assert "at 3 of 3 concurrencies" in w[0] and "direction reproduced" in w[0]
+    assert w[1] == "- int4 prefill loss: -15.0% (range -20.0% to -10.0%) -- reproduced (published -15%)."
+    i = _verdicts("integrity", {"on": {"throughput_delta_by_concurrency": {1: 0.995, 8: 1.05},
+                                       "throughput_within_noise": {1: True, 8: False},
+                                       "aa_max_abs_throughput_delta": 0.02},
                                 "faults": {"on": {"detected": 3, "injected": 4, "false_positives": 0}}})
-    assert i[0].endswith("NOT reproduced.") and "at most 5.0%" in i[1] and "larger than" in i[1]
+    assert i[0].endswith("NOT reproduced.") and "larger than the noise at c=8" in i[1] and "up to 2.0%" in i[1]
+    quiet = _verdicts("integrity", {"on": {"throughput_delta_by_concurrency": {1: 0.97},
+                                           "throughput_within_noise": {1: True}}})
+    assert "within this machine's noise" in quiet[0]
     assert _verdicts("capacity", {"published_figures": 7, "within_3pct": 7})[0].endswith("reproduced.")
