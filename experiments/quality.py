@@ -1,0 +1,25 @@
+"""Quality table of every representation on the shipped default model (logic: phaseserve/eval/quality.py).
+
+    python experiments/quality.py                              # into outputs/quality/<date>/
+    python experiments/quality.py hydra.run.dir=benchmarks/quality
+"""
+
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from phaseserve.eval.demo import default_model_path
+from phaseserve.eval.quality import run
+
+
+@hydra.main(config_path="../configs", config_name="quality", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg.checkpoint or default_model_path(), HydraConfig.get().runtime.output_dir,
+        num_requests=cfg.num_requests, max_tokens=cfg.max_tokens, num_windows=cfg.num_windows,
+        calib_sequences=cfg.calib_sequences, seed=cfg.seed, progress=print)
+
+
+if __name__ == "__main__":
+    main()
