@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from phaseserve.config import ModelConfig, SequenceTooLongError
+from phaseserve.config import ModelConfig
 from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.eval.generation import batched_generate_fn
 from phaseserve.model import attention_mla
 from phaseserve.model.layers import rms_norm, softmax_scale
 from phaseserve.model.transformer import embed, ffn, logits_from_hidden, prefill
@@ -86,25 +86,4 @@ def cached_greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[in
         buf, lengths = jax.lax.while_loop(cond, body, state)[:2]
         return buf, lengths
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        need = max((len(p) for p in prompts), default=0) + max_tokens
-        if need > cfg.max_position_embeddings:
-            raise SequenceTooLongError(f"prompt + max_tokens = {need} exceeds the model's "
-                                       f"{cfg.max_position_embeddings} positions")
-        width = min(-(-need // bucket) * bucket, cfg.max_position_embeddings)
-        out: list[list[int]] = []
-        for s in range(0, len(prompts), batch_size):
-            chunk = prompts[s: s + batch_size]
-            buf = np.full((batch_size, width), pad, np.int32)
-            lengths = np.ones(batch_size, np.int32)
-            active = np.zeros(batch_size, bool)
-            for r, p in enumerate(chunk):
-                buf[r, : len(p)] = p
-                lengths[r], active[r] = len(p), True
-            res, new_len = jax.device_get(run(params, buf, lengths, active, np.int32(max_tokens)))
-            out += [res[r, len(p): int(new_len[r])].tolist() for r, p in enumerate(chunk)]
-        return out
-
-    return generate
+    return batched_generate_fn(run, params, cfg, pad=pad, bucket=bucket, batch_size=batch_size)

@@ -33,6 +33,36 @@ GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, tokens i32[B, T]) -> f32[B, T, V]
 
 
+def batched_generate_fn(run: Callable, params, cfg: ModelConfig, *, pad: int, bucket: int,
+                        batch_size: int) -> GenerateFn:
+    """The host side shared by the reference generators: prompts go ``batch_size`` at a time into a buffer
+    i32[batch_size, L] (left-aligned, ``pad`` after, L a multiple of ``bucket``) and through the jitted
+    ``run(params, buf, lengths, active, max_new) -> (buf, lengths)``; returns each prompt's new tokens."""
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        need = max((len(p) for p in prompts), default=0) + max_tokens
+        if need > cfg.max_position_embeddings:
+            raise SequenceTooLongError(f"prompt + max_tokens = {need} exceeds the model's "
+                                       f"{cfg.max_position_embeddings} positions")
+        width = min(-(-need // bucket) * bucket, cfg.max_position_embeddings)
+        out: list[list[int]] = []
+        for s in range(0, len(prompts), batch_size):
+            chunk = prompts[s: s + batch_size]
+            buf = np.full((batch_size, width), pad, np.int32)
+            lengths = np.ones(batch_size, np.int32)
+            active = np.zeros(batch_size, bool)
+            for r, p in enumerate(chunk):
+                buf[r, : len(p)] = p
+                lengths[r], active[r] = len(p), True
+            res, new_len = jax.device_get(run(params, buf, lengths, active, np.int32(max_tokens)))
+            out += [res[r, len(p): int(new_len[r])].tolist() for r, p in enumerate(chunk)]
+        return out
+
+    return generate
+
+
 def greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[int] | None = None, batch_size: int = 16,
                        pad_id: int | None = None, bucket: int = 32, logits_fn: LogitsFn | None = None) -> GenerateFn:
     """Reference greedy generator (see module docstring). ``stop_ids`` default to ``cfg.eos_token_ids``;
@@ -64,28 +94,7 @@ def greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[int] | No
         buf, lengths, _, _ = jax.lax.while_loop(cond, body, (buf, lengths, ~active, jnp.int32(0)))
         return buf, lengths
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        need = max((len(p) for p in prompts), default=0) + max_tokens
-        if need > cfg.max_position_embeddings:
-            raise SequenceTooLongError(f"prompt + max_tokens = {need} exceeds the model's "
-                                       f"{cfg.max_position_embeddings} positions")
-        width = min(-(-need // bucket) * bucket, cfg.max_position_embeddings)
-        out: list[list[int]] = []
-        for s in range(0, len(prompts), batch_size):
-            chunk = prompts[s: s + batch_size]
-            buf = np.full((batch_size, width), pad, np.int32)
-            lengths = np.ones(batch_size, np.int32)
-            active = np.zeros(batch_size, bool)
-            for r, p in enumerate(chunk):
-                buf[r, : len(p)] = p
-                lengths[r], active[r] = len(p), True
-            res, new_len = jax.device_get(run(params, buf, lengths, active, np.int32(max_tokens)))
-            out += [res[r, len(p): int(new_len[r])].tolist() for r, p in enumerate(chunk)]
-        return out
-
-    return generate
+    return batched_generate_fn(run, params, cfg, pad=pad, bucket=bucket, batch_size=batch_size)
 
 
 def engine_generate_fn(engine: Any, temperature: float = 0.0) -> GenerateFn:
