@@ -211,13 +211,13 @@ def _trial(eng, reqs, ref, kind, victim, other, step, tracker, t) -> dict:
 
 # ---- report -----------------------------------------------------------------------------------------------
 def within_noise(on: dict, aa: dict | None) -> bool | None:
-    """Paired on/off stats within the noise: the repeat range crosses zero, or the median is no larger than the
-    largest A/A (noop vs off) delta of the same point."""
+    """Is a paired on/off effect unresolved? Resolved means every repeat moved the same way (at least 3 repeats)
+    and the median effect exceeds the median A/A (noop vs off) difference of the same point."""
     if on.get("median") is None:
         return None
-    noise = max(abs(v - 1) for v in aa["values"]) if aa and aa.get("values") else None
-    crosses = on["n"] > 1 and on["min"] <= 1 <= on["max"]
-    return bool(crosses or (noise is not None and abs(on["median"] - 1) <= noise))
+    same_sign = on["n"] >= 3 and (on["min"] > 1 or on["max"] < 1)
+    aa_med = abs(aa["median"] - 1) if aa and aa.get("median") is not None else 0.0
+    return not (same_sign and abs(on["median"] - 1) > aa_med)
 
 
 def _headline(res: dict, concs: list[int], ref: str) -> dict:
@@ -322,8 +322,8 @@ def _notes(res: dict, concs: list[int], ref: str) -> list[str]:
             within = within_noise(on, aa)
             parts.append(f"c={c}: {rp.pct_spread(on)}" + (f" vs A/A {rp.pct_spread(aa)}" if aa else "")
                          + (" — within noise" if within else " — outside noise"))
-        out.append(f"- on vs {ref}, {label} (paired; 'within noise' = the repeat range crosses zero or the median "
-                   "is no larger than the largest A/A delta): " + "; ".join(parts) + ".")
+        out.append(f"- on vs {ref}, {label} (paired; 'outside noise' = every repeat moved the same way and the median "
+                   "exceeds the A/A median): " + "; ".join(parts) + ".")
     agg = res["aggregate"]
     if d_on and "on" in agg and ref in agg:
         added = []

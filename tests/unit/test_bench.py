@@ -66,6 +66,17 @@ def test_model_group_options_resolve_to_configs():
     assert ps.ModelConfig.from_hf_config(schema.hf_dict(cut.model)).num_layers == 2
 
 
+def test_the_default_model_is_the_shipped_checkpoint():
+    cfg = _compose("config")
+    assert cfg.model.checkpoint == "models/default" and cfg.model.name == "default"
+    model_cfg, params = schema.load_model(cfg)
+    shaped = ps.ModelConfig.from_hf_config(schema.hf_dict(_compose("config", ["model=default_random"]).model))
+    assert model_cfg.replace(eos_token_ids=(), bos_token_id=None) == shaped.replace(eos_token_ids=(), bos_token_id=None)
+    assert ps.model.params.param_count(params) > 1_000_000
+    with pytest.raises(ConfigError, match="no config.json"):
+        schema.load_model(_compose("config", ["model.checkpoint=models/nowhere"]))
+
+
 def test_experiment_spec_validates_the_experiment_node():
     from phaseserve.bench.kv_dtype import KvDtypeSpec
 
@@ -309,3 +320,34 @@ def test_reproduce_verdicts_say_plainly_what_was_and_was_not_reproduced():
                                            "throughput_within_noise": {1: True}}})
     assert "within this machine's noise" in quiet[0]
     assert _verdicts("capacity", {"published_figures": 7, "within_3pct": 7})[0].endswith("reproduced.")
+    edge = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 2.0, "peak_gain": 0.95,
+                                          "peak_gain_by_repeat": {"min": 0.9, "max": 0.99, "n": 2}}})
+    assert "NOT reproduced on this CPU" in edge[1]  # every repeat below 1: not 'unresolved'
+
+
+def test_reproduce_report_renders_again_from_its_json(tmp_path):
+    from phaseserve.bench import reproduce
+
+    env = measure.environment()
+    res = {"experiment": "reproduce", "environment": env, "runs": {"capacity": {
+        "dir": "capacity", "seconds": 1.0, "compilation": {"lowerings": 0, "cache_hits": 0, "cache_misses": 0},
+        "overrides": [], "headline": {"published_figures": 7, "within_3pct": 6, "max_abs_error": 0.05},
+        "summary": [["planner vs published capacity figures (within 3%)", "all", "6 of 7"]]}}}
+    rp.write_json(tmp_path / "results.json", res)
+    md = reproduce.render(tmp_path).read_text()
+    assert "| planner vs published capacity figures (within 3%) | all | 6 of 7 |" in md
+    assert "6 of 7 within 3% -- NOT reproduced." in md and "[capacity/README.md](capacity/README.md)" in md
+
+
+def test_integrity_noise_rule():
+    from phaseserve.bench.integrity import within_noise
+
+    def st(vals):
+        return measure.stats(vals) | {"values": vals}
+
+    aa = st([0.99, 1.01, 1.02])
+    assert within_noise(st([0.93, 0.95, 0.83]), aa) is False  # every repeat slower, beyond the A/A median
+    assert within_noise(st([0.93, 1.02, 0.83]), aa) is True  # the repeats disagree
+    assert within_noise(st([0.995, 0.99, 0.998]), st([0.98, 0.97, 0.99])) is True  # smaller than the A/A effect
+    assert within_noise(st([0.9, 0.9]), aa) is True  # two repeats cannot resolve anything
+    assert within_noise({"median": None}, aa) is None
