@@ -30,7 +30,7 @@ class InProcessHandoff:
         self.bytes_moved = 0
 
     def transfer(self, kvq: list, dst: jax.sharding.Sharding) -> list:
-        self.bytes_moved += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))
+        self.bytes_moved += kv_nbytes(kvq)
         return jax.device_put(kvq, dst)
 
 
@@ -49,4 +49,5 @@ def scatter_prompts(pool: PagePool, kvq: list, page_table: jax.Array, lengths: j
 
 
 def kv_nbytes(kvq: Any) -> int:
+    """Bytes of a handoff payload (every array leaf, scales included)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))
