@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,13 +71,6 @@ class Fp8Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return dequantize_fp8(self, dtype)
-
-    def matmul(self, x: jax.Array, **kw: Any) -> jax.Array:
-        return fp8_matmul(x, self, **kw)
-
-    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array, **kw: Any) -> jax.Array:
-        out = jax.lax.ragged_dot(x, self.dequantize(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-        return out.astype(x.dtype)
 
 
 def _expand(scale: jax.Array, k: int, n: int, block: tuple[int, int]) -> jax.Array:

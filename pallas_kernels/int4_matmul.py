@@ -36,7 +36,6 @@ internally, so any M works.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +72,6 @@ class Int4Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return dequantize_int4(self, dtype)
-
-    def matmul(self, x: jax.Array, **kw: Any) -> jax.Array:
-        return int4_matmul(x, self, **kw)
-
-    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array, **kw: Any) -> jax.Array:
-        return int4_grouped_matmul(x, self, group_sizes, **kw)
 
 
 def quantize_int4(w: jax.Array, group_size: int = 128, scale_dtype=jnp.float32) -> Int4Weight:

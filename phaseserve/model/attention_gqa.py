@@ -10,7 +10,7 @@ import jax
 from phaseserve.config import ModelConfig
 from phaseserve.model.layers import apply_rope, attention, causal_mask, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import GQAParams
-from phaseserve.quant import dense
+from phaseserve.qarrays import dense
 
 
 def project_qkv(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from phaseserve.config import ModelConfig, SequenceTooLongError
 from phaseserve.model.layers import apply_rope, attention, causal_mask, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import MLAParams
-from phaseserve.quant import dense, dequantize
+from phaseserve.qarrays import dense, dequantize
 
 
 def check_length(cfg: ModelConfig, seq_len: int) -> None:

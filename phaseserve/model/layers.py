@@ -16,7 +16,7 @@ import numpy as np
 
 from phaseserve.config import ModelConfig, RopeConfig
 from phaseserve.model.params import MLPParams
-from phaseserve.quant import dense
+from phaseserve.qarrays import dense
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -8,7 +8,7 @@ Routing (``route``):
   top-2 sums), weights are the un-biased scores, optionally renormalised, times ``routed_scaling_factor``.
 
 Dispatch (``moe``): the N*k (token, expert) assignments are sorted by expert and run through one ragged
-(grouped) matmul per projection (``quant.grouped_dense``, i.e. ``jax.lax.ragged_dot`` or the INT4 grouped
+(grouped) matmul per projection (``qarrays.grouped_dense``, i.e. ``jax.lax.ragged_dot`` or the INT4 grouped
 kernel), then scattered back weighted. Shared experts run densely on every token.
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from phaseserve.config import ModelConfig
 from phaseserve.model.layers import mlp
 from phaseserve.model.params import MoEParams
-from phaseserve.quant import grouped_dense
+from phaseserve.qarrays import grouped_dense
 
 
 def route(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:

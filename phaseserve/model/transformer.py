@@ -15,7 +15,7 @@ from phaseserve.model import attention_gqa, attention_mla
 from phaseserve.model.layers import mlp, rms_norm
 from phaseserve.model.moe import moe
 from phaseserve.model.params import LayerParams, MLPParams, Params
-from phaseserve.quant import dense
+from phaseserve.qarrays import dense
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:

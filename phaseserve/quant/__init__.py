@@ -1,6 +1,8 @@
-"""Weight representations (plain, FP8, INT4) and the single matmul dispatch point the model uses.
+"""Weight representations (plain, FP8, INT4): policies, quantization, calibration, checkpoint formats.
 
-- ``dispatch``: ``dense`` / ``grouped_dense`` / ``dequantize`` — the model's only matmul entry points.
+The quantized array types and the model's matmul dispatch (``dense`` / ``grouped_dense`` / ``dequantize``) are the
+leaf module :mod:`phaseserve.qarrays`, below the model; everything here builds on the model.
+
 - ``policy``: :class:`QuantPolicy` (tensor class -> :class:`Rep`), presets, per-phase resolution.
 - ``quantize``: :func:`quantize_params` (RTN, or GPTQ with a calibration), :func:`abstract_quantized`.
 - ``calibrate``: :func:`collect_calibration` (activation statistics from a plain forward), GPTQ.
@@ -10,7 +12,6 @@
 """
 
 from phaseserve.quant.calibrate import Calibration, collect_calibration
-from phaseserve.quant.dispatch import dense, dequantize, grouped_dense, is_quantized
 from phaseserve.quant.formats import load_quantized_checkpoint
 from phaseserve.quant.policy import (
     PRESET_POLICIES,
@@ -26,7 +27,7 @@ from phaseserve.quant.size_report import SizeReport, checkpoint_report, preset_r
 
 __all__ = [
     "PRESET_POLICIES", "TENSOR_CLASSES", "Calibration", "PolicyError", "QuantPolicy", "Rep", "SizeReport",
-    "abstract_quantized", "checkpoint_report", "collect_calibration", "dense", "dequantize", "grouped_dense",
-    "is_quantized", "load_quantized_checkpoint", "phase_policy", "preset_report", "quantize_leaf", "quantize_params",
+    "abstract_quantized", "checkpoint_report", "collect_calibration", "load_quantized_checkpoint", "phase_policy",
+    "preset_report", "quantize_leaf", "quantize_params",
     "resolve_policy", "size_report", "tensor_class",
 ]

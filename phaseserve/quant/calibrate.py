@@ -2,10 +2,10 @@
 
 **Collecting.** :func:`collect_calibration` runs the unmodified model (``transformer.forward``, jitted) on a
 small calibration set of token sequences, with every matmul weight wrapped in a recording tap. The model
-sends each projection through ``quant.dense`` / ``quant.grouped_dense``, which treat anything with a
-``dequantize`` method as a quantized weight and call its ``matmul`` / ``grouped_matmul``; the tap computes
-the Gram matrix of its input rows there, hands it to the host with ``jax.debug.callback`` and returns the
-plain product. So the statistics come from the real model code, not a copy of it. Per weight it keeps
+sends each projection through ``qarrays.dense`` / ``qarrays.grouped_dense``, which dispatch on registered weight
+types; the tap is registered there like a quantized weight type. It computes the Gram matrix of its input
+rows, hands it to the host with ``jax.debug.callback`` and returns the plain product. So the statistics come
+from the real model code, not a copy of it. Per weight it keeps
 ``H = sum_x x x^T`` (float64 on the host, ``[K, K]``; ``[E, K, K]`` for routed experts, split by the ragged
 ``group_sizes``) and the number of rows seen. Weights the model dequantizes instead of multiplying (MLA's
 ``wkv_b``) get no statistics.
@@ -34,7 +34,7 @@ import numpy as np
 
 from pallas_kernels.int4_matmul import Int4Weight, pack_int4
 from phaseserve.config import ModelConfig, to_dtype
-from phaseserve.quant.dispatch import dense, grouped_dense
+from phaseserve.qarrays import QuantOps, dense, grouped_dense, register
 from phaseserve.quant.quantize import path_str
 
 DAMP = 0.01
@@ -80,16 +80,16 @@ class _Tap:
     def shape(self) -> tuple[int, ...]:
         return self.w.shape
 
-    def dequantize(self, dtype=None) -> jax.Array:
-        return self.w if dtype is None else self.w.astype(dtype)
+    def dequantize(self, dtype) -> jax.Array:
+        return self.w.astype(dtype)
 
-    def matmul(self, x: jax.Array, **_: Any) -> jax.Array:
+    def matmul(self, x: jax.Array) -> jax.Array:
         xs = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [M, K]
         h = jnp.einsum("mk,mj->kj", xs, xs, precision=jax.lax.Precision.HIGHEST)
         jax.debug.callback(partial(_record, self.path), h, xs.shape[0])
         return dense(x, self.w)
 
-    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array, **_: Any) -> jax.Array:
+    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         xs = x.astype(jnp.float32)  # [M, K], sorted by expert
         e = group_sizes.shape[0]
         ends = jnp.cumsum(group_sizes)
@@ -101,6 +101,8 @@ class _Tap:
 
 
 jax.tree_util.register_pytree_node(_Tap, lambda t: ((t.w,), t.path), lambda path, ch: _Tap(ch[0], path))
+register(_Tap, QuantOps(dense=lambda x, t: t.matmul(x), grouped_dense=lambda x, t, gs: t.grouped_matmul(x, gs),
+                        dequantize=lambda t, dtype: t.dequantize(dtype)))
 
 
 def collect_calibration(params: Any, cfg: ModelConfig, tokens: Any, batch_size: int = 8) -> Calibration:

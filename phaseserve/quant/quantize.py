@@ -38,9 +38,9 @@ from pallas_kernels.int4_matmul import Int4Weight, pack_int4
 from phaseserve.config import ModelConfig, to_dtype
 from phaseserve.model.loader import leaf_path as path_str  # one spelling of leaf paths: 'layers.3.attn.wq'
 from phaseserve.model.params import ArrayInfo, abstract_params, is_info
+from phaseserve.qarrays import is_quantized
 from phaseserve.quant.policy import PolicyError, QuantPolicy, Rep, resolve_policy
 
-_CONTAINERS = (Int4Weight, Fp8Weight)
 _NORM_NAMES = re.compile(r"(^|\.)(attn_norm|mlp_norm|final_norm|q_norm|k_norm|kv_a_norm|q_a_norm|k_norm_w|k_norm_b)$")
 
 
@@ -65,12 +65,8 @@ def tensor_class(path: str, ndim: int) -> str:
     raise PolicyError(f"cannot classify parameter {path!r}")
 
 
-def is_container(x: Any) -> bool:
-    return isinstance(x, _CONTAINERS)
-
-
 def _is_unit(x: Any) -> bool:
-    return is_info(x) or is_container(x)
+    return is_info(x) or is_quantized(x)
 
 
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:
@@ -111,7 +107,7 @@ def _matches(x: Any, rep: Rep) -> bool:
             return False
         want = (x.q.shape[-2], 1) if rep.block is None else rep.block
         return tuple(x.block) == tuple(want)
-    return not is_container(x) and _dtype_name(x) == rep.kind
+    return not is_quantized(x) and _dtype_name(x) == rep.kind
 
 
 # The quantizers below are pallas_kernels' ``quantize_int4`` / ``quantize_fp8`` (same formulas, same layouts),
@@ -163,7 +159,7 @@ def quantize_leaf(x: Any, rep: Rep, path: str = "?", hessian=None) -> Any:
     for ``int4`` with ``method="gptq"``; without it the leaf falls back to RTN."""
     if _matches(x, rep):
         return x
-    w = x.dequantize(jnp.float32) if is_container(x) else x
+    w = x.dequantize(jnp.float32) if is_quantized(x) else x
     if not rep.quantized:
         return w.astype(to_dtype(rep.kind))
     if w.ndim < 2:
@@ -191,7 +187,7 @@ def quantize_params(params: Any, policy: str | QuantPolicy, calibration: Any = N
     policy = resolve_policy(policy)
     if policy.uses("gptq") and calibration is None:
         raise PolicyError(f"policy {policy.name!r} uses GPTQ: pass calibration=collect_calibration(...)")
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_container)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_quantized)
     out = []
     for kp, x in flat:
         path = path_str(kp)

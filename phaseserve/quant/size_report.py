@@ -23,11 +23,11 @@ import numpy as np
 
 from phaseserve.config import ModelConfig, to_dtype
 from phaseserve.model.params import ArrayInfo, is_info
+from phaseserve.qarrays import stored_arrays
 from phaseserve.quant.policy import QuantPolicy, Rep, resolve_policy
 from phaseserve.quant.quantize import (
     abstract_leaf,
     abstract_quantized,
-    is_container,
     leaf_rep,
     named_leaves,
     tensor_class,
@@ -107,7 +107,7 @@ def size_report(tree: Any) -> SizeReport:
         if x is None:
             continue
         key = (tensor_class(path, len(x.shape)), leaf_rep(x))
-        fields = [x.packed, x.scale] if hasattr(x, "packed") else [x.q, x.scale] if is_container(x) else [x]
+        fields = stored_arrays(x)
         acc[key][0] += _values(x)
         acc[key][1] += sum(_nbytes(f) for f in fields)
     return SizeReport(tuple(SizeRow(c, r, p, b) for (c, r), (p, b) in sorted(acc.items())))
@@ -142,7 +142,7 @@ def checkpoint_report(cfg: ModelConfig, policy: str | QuantPolicy, mtp_layers: i
     for name, x in _mtp_extras(cfg, policy, mtp_layers, mtp_embed_copies).items():
         cls = "mtp" if name.endswith(("eh_proj", "norm")) else tensor_class(name.rsplit(".", 1)[-1], 2)
         key = (cls, leaf_rep(x))
-        fields = [x.packed, x.scale] if hasattr(x, "packed") else [x.q, x.scale] if is_container(x) else [x]
+        fields = stored_arrays(x)
         cur = rows.setdefault(key, [0, 0])
         cur[0] += _values(x)
         cur[1] += sum(_nbytes(f) for f in fields)
@@ -161,5 +161,5 @@ def rep_bytes_per_value(rep: Rep | str, k: int = 7168, n: int = 2048) -> float:
     """Stored bytes per weight value of ``rep`` for a ``[k, n]`` weight (scales included)."""
     rep = Rep.parse(rep) if isinstance(rep, str) else rep
     x = abstract_leaf(ArrayInfo((k, n), "float32", (None, None)), rep)
-    fields = [x.packed, x.scale] if hasattr(x, "packed") else [x.q, x.scale] if is_container(x) else [x]
+    fields = stored_arrays(x)
     return sum(_nbytes(f) for f in fields) / (k * n)

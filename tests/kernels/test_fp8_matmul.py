@@ -91,7 +91,9 @@ def test_act_quant_defaults_to_w8a16_off_gpu():
     out = jax.jit(functools.partial(fp8_matmul, impl="pallas", interpret=True, target="gpu"))(x, w)
     # W8A8 would differ from the W8A16 reference by ~2% here, twice the bf16 tolerance
     assert_close(out, jax.jit(fp8_matmul_reference)(x, w), TOL["bfloat16"])
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, b: b.matmul(a))(x, w), np.float32),
+    from phaseserve.qarrays import dense  # the model's dispatch: fp8_matmul with its defaults
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(dense)(x, w), np.float32),
                                   np.asarray(jax.jit(fp8_matmul_reference)(x, w), np.float32))
 
 
