@@ -30,10 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from phaseserve.bench import report as rp
 from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired, progress_bar
-from phaseserve.bench.schema import as_list, experiment_spec, load_model, to_container
+from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
 from phaseserve.cache.faults import FaultInjector
 from phaseserve.cache.integrity import KVIntegrityError
+from phaseserve.config_hydra import as_list, load_model, to_container
 
 FAULTS = ["point_at_free_page", "free_behind", "point_at_other", "point_out_of_range", "double_allocate",
           "poison_data", "poison_scale"]

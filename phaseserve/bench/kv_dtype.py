@@ -21,17 +21,11 @@ from omegaconf import DictConfig
 
 from phaseserve.bench import report as rp
 from phaseserve.bench.measure import Arm, aggregate, build_engines, dig, environment, interleaved, paired, stats
-from phaseserve.bench.schema import (
-    as_list,
-    budget_bytes_for_requests,
-    experiment_spec,
-    load_model,
-    pages_per_request,
-    to_container,
-)
+from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, max_length, num_requests, probe_admission
 from phaseserve.cache.paged import kv_bytes_per_page, kv_bytes_per_token
 from phaseserve.config import ConfigError, canonical_dtype
+from phaseserve.config_hydra import as_list, budget_bytes_for_requests, load_model, pages_per_request, to_container
 
 PUBLISHED = {"bf16_peak_concurrency": 32, "fp8_peak_concurrency": 64, "bf16_peak_tok_s": 1558,
              "fp8_peak_tok_s": 2192, "gain": 2192 / 1558, "cost_ratio": 1558 / 2192}

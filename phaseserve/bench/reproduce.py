@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from phaseserve.bench import integrity, kv_dtype, weight_dtype
 from phaseserve.bench import report as rp
 from phaseserve.bench.measure import CompileCounter, environment
-from phaseserve.bench.schema import REPO_ROOT, experiment_spec, repo_path
+from phaseserve.bench.schema import experiment_spec
+from phaseserve.config_hydra import REPO_ROOT, repo_path
 
 RUNNERS = {"kv_dtype": kv_dtype.run, "weight_dtype": weight_dtype.run, "integrity": integrity.run}
 CAPACITY_SCRIPT = REPO_ROOT / "experiments" / "capacity.py"

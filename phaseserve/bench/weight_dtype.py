@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from phaseserve.bench import report as rp
 from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired
-from phaseserve.bench.schema import as_list, experiment_spec, load_model, to_container
+from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
+from phaseserve.config_hydra import as_list, load_model, to_container
 from phaseserve.quant.size_report import preset_report, size_report
 
 PUBLISHED = {"decode_c1_fp8_tok_s": 60, "decode_c1_int4_tok_s": 92, "decode_gain_range": [0.16, 0.55],

@@ -1,6 +1,6 @@
 """Workloads and the client loop that drives an :class:`~phaseserve.engine.Engine` with them.
 
-A workload (:class:`~phaseserve.bench.schema.WorkloadSpec`) is a prompt-length and an output-length
+A workload (:class:`~phaseserve.config_hydra.WorkloadSpec`) is a prompt-length and an output-length
 distribution (:func:`sample_lengths`), random prompt tokens (optionally a shared prefix), and an arrival
 pattern that :func:`drive` plays against the engine:
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from phaseserve.bench.schema import LengthSpec, as_list
+from phaseserve.config_hydra import LengthSpec, as_list, max_length
 from phaseserve.engine import Engine, Request
 from phaseserve.engine.workers import bucket
 
@@ -33,11 +33,6 @@ ARRIVALS = ("closed", "burst", "poisson")
 # ---- lengths and requests ---------------------------------------------------------------------------------
 def _get(spec: Any, key: str) -> Any:
     return spec[key] if isinstance(spec, dict) else getattr(spec, key)
-
-
-def max_length(spec: LengthSpec | Any) -> int:
-    """The longest length the distribution can produce."""
-    return int(_get(spec, "mean")) if _get(spec, "dist") == "fixed" else int(_get(spec, "max"))
 
 
 def min_length(spec: LengthSpec | Any) -> int:

@@ -95,7 +95,7 @@ class Engine:
     @classmethod
     def from_hydra(cls, hydra_cfg: Any) -> Engine:
         """An engine from a composed ``configs/config.yaml`` tree (model, quant, cache, mesh groups)."""
-        from phaseserve.bench.schema import serve_config_from_hydra
+        from phaseserve.config_hydra import serve_config_from_hydra
 
         cfg, params, serve = serve_config_from_hydra(hydra_cfg)
         engine_cfg = hydra_cfg.get("engine") or {}

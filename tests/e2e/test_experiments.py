@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from phaseserve.bench import integrity, kv_dtype, reproduce, weight_dtype
-from phaseserve.bench.schema import REPO_ROOT
+from phaseserve.config_hydra import REPO_ROOT
 
 CONFIGS = str(REPO_ROOT / "configs")
 # one MoE layer of the tiny MLA model: every representation still appears (attention, routed + shared experts)

@@ -13,11 +13,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import phaseserve as ps
+from phaseserve import config_hydra
 from phaseserve.bench import measure, schema, workload
 from phaseserve.bench import report as rp
-from phaseserve.bench.schema import REPO_ROOT, LengthSpec
 from phaseserve.cache.paged import kv_bytes_per_page, pages_for_budget
 from phaseserve.config import ConfigError
+from phaseserve.config_hydra import REPO_ROOT, LengthSpec
 
 CONFIGS = str(REPO_ROOT / "configs")
 TINY = ["model=tiny_mla", "progress=false"]
@@ -60,21 +61,21 @@ def test_model_group_options_resolve_to_configs():
                          ("moonlight", "DeepseekV3ForCausalLM"), ("glm5", "GlmMoeDsaForCausalLM"),
                          ("default_random", "DeepseekV3ForCausalLM")]:
         cfg = _compose("config", [f"model={option}"])
-        model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+        model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
         assert model_cfg.architecture == arch, option
     cut = _compose("config", ["model=kimi_k26", "+model.overrides.num_hidden_layers=2"])
-    assert ps.ModelConfig.from_hf_config(schema.hf_dict(cut.model)).num_layers == 2
+    assert ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cut.model)).num_layers == 2
 
 
 def test_the_default_model_is_the_shipped_checkpoint():
     cfg = _compose("config")
     assert cfg.model.checkpoint == "models/default" and cfg.model.name == "default"
-    model_cfg, params = schema.load_model(cfg)
-    shaped = ps.ModelConfig.from_hf_config(schema.hf_dict(_compose("config", ["model=default_random"]).model))
+    model_cfg, params = config_hydra.load_model(cfg)
+    shaped = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(_compose("config", ["model=default_random"]).model))
     assert model_cfg.replace(eos_token_ids=(), bos_token_id=None) == shaped.replace(eos_token_ids=(), bos_token_id=None)
     assert ps.model.params.param_count(params) > 1_000_000
     with pytest.raises(ConfigError, match="no config.json"):
-        schema.load_model(_compose("config", ["model.checkpoint=models/nowhere"]))
+        config_hydra.load_model(_compose("config", ["model.checkpoint=models/nowhere"]))
 
 
 def test_experiment_spec_validates_the_experiment_node():
@@ -92,8 +93,8 @@ def test_serve_config_maps_every_field():
     cfg = _compose("config", TINY + ["quant=phase", "quant.kv=fp8", "cache.num_pages=77", "cache.integrity=false",
                                      "cache.admission=on_demand", "engine.mode=colocated", "engine.max_batch=5",
                                      "engine.max_prefill_tokens=512", "mesh=cpu8"])
-    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
-    s = schema.serve_config(cfg, model_cfg)
+    model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
+    s = config_hydra.serve_config(cfg, model_cfg)
     assert (s.quant.prefill_weights, s.quant.decode_weights, s.quant.kv_dtype) == ("fp8", "int4", "float8_e4m3fn")
     assert s.quant.fp8_block == (128, 128) and s.quant.int4_group_size == 128
     assert (s.cache.num_pages, s.cache.integrity, s.cache.admission, s.cache.page_size) == (77, False, "on_demand", 16)
@@ -104,27 +105,27 @@ def test_serve_config_maps_every_field():
 
 def test_serve_config_refuses_sweep_lists_and_ambiguous_sizes():
     cfg = _compose("experiment/kv_dtype", TINY)
-    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
+    model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
     with pytest.raises(ConfigError, match="quant.kv is a sweep list"):
-        schema.serve_config(cfg, model_cfg)
+        config_hydra.serve_config(cfg, model_cfg)
     both = _compose("config", TINY + ["cache.kv_budget_bytes=100000"])  # num_pages is set by cache/default too
     with pytest.raises(ConfigError, match="exactly one of"):
-        schema.serve_config(both, model_cfg)
+        config_hydra.serve_config(both, model_cfg)
     one = _compose("config", TINY + ["workload.concurrency=[2,6]"])
-    assert schema.serve_config(one, model_cfg).max_batch == 6  # the largest swept concurrency
+    assert config_hydra.serve_config(one, model_cfg).max_batch == 6  # the largest swept concurrency
 
 
 def test_budget_in_requests_holds_exactly_that_many_bf16_requests():
     cfg = _compose("experiment/kv_dtype", TINY + ["quant.kv=bf16", "cache.kv_budget_requests=3"])
-    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
-    per_req = schema.pages_per_request(32, 64, 16)
+    model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
+    per_req = config_hydra.pages_per_request(32, 64, 16)
     assert per_req == math.ceil((32 + 64 - 1) / 16) == 6
-    budget = schema.budget_bytes_for_requests(model_cfg, cfg)
+    budget = config_hydra.budget_bytes_for_requests(model_cfg, cfg)
     assert budget == (3 * 6 + 1) * kv_bytes_per_page(model_cfg, "bfloat16", 16)
     assert pages_for_budget(model_cfg, "bfloat16", 16, budget) == 3 * 6 + 1
     fp8_pages = pages_for_budget(model_cfg, "float8_e4m3fn", 16, budget) - 1
     assert 2 * 3 * 6 > fp8_pages >= int(1.9 * 3 * 6)  # the scale bytes keep it just under 2x
-    assert schema.serve_config(cfg, model_cfg).cache.kv_budget_bytes == budget
+    assert config_hydra.serve_config(cfg, model_cfg).cache.kv_budget_bytes == budget
 
 
 # ---- workloads --------------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def test_client_loop_on_a_tiny_engine():
     cfg = _compose("config", TINY + ["+model.overrides.num_hidden_layers=1", "workload.concurrency=4",
                                      "cache.num_pages=7", "cache.page_size=8", "workload.prompt.dist=fixed",
                                      "workload.prompt.mean=12", "workload.output.mean=5"])
-    model_cfg, params, serve = schema.serve_config_from_hydra(cfg)
+    model_cfg, params, serve = config_hydra.serve_config_from_hydra(cfg)
     assert isinstance(serve, ps.ServeConfig) and serve.max_batch == 4 and serve.cache.num_pages == 7
     eng = ps.Engine(model_cfg, params, serve)
     workload.warmup(eng, cfg.workload, 4, model_cfg.vocab_size)
@@ -288,9 +289,9 @@ def test_gpu_recipe_composes_to_the_published_budget_shape():
     """The (not yet run) one-H200 recipe: Moonlight shapes, a budget of 32 BF16 requests of 1,024 + 256 tokens."""
     cfg = _compose("experiment/kv_dtype", ["model=moonlight", "mesh=single", "cache=gpu_budget",
                                            "workload=gpu_kv_budget", "engine.max_prefill_tokens=16384"])
-    model_cfg = ps.ModelConfig.from_hf_config(schema.hf_dict(cfg.model))
-    budget = schema.budget_bytes_for_requests(model_cfg, cfg)
-    per_req = schema.pages_per_request(1024, 256, 16)
+    model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
+    budget = config_hydra.budget_bytes_for_requests(model_cfg, cfg)
+    per_req = config_hydra.pages_per_request(1024, 256, 16)
     assert per_req == 80 and budget == (32 * 80 + 1) * kv_bytes_per_page(model_cfg, "bfloat16", 16)
     fp8_requests = (pages_for_budget(model_cfg, "float8_e4m3fn", 16, budget) - 1) // per_req
     assert fp8_requests == 63  # 2 * 576 / (576 + 4) = 1.986x, rounded down to whole requests
