@@ -18,6 +18,9 @@ everything     (none)      embeddings, norms, routers, q LoRA are replicated
 
 An axis whose size does not divide by its mesh axis is replicated instead (tiny test models). Quantized
 weights (INT4 / FP8 pytrees) shard each of their arrays along the same logical axes as the plain weight.
+
+Device sets that this machine does not have are a :class:`~phaseserve.config.ConfigError` that says how many
+devices exist and how to simulate more on a CPU (:data:`SIMULATE_HINT`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from phaseserve.config import ModelConfig
+from phaseserve.config import ConfigError, MeshConfig, ModelConfig
 from phaseserve.model.params import logical_axes
 
 DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
@@ -47,10 +50,29 @@ DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
+SIMULATE_HINT = ("on a CPU, simulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N, set "
+                 "before jax is imported; or leave MeshConfig's device sets at None (they fit any machine)")
+
+
+def _have(devices: list) -> str:
+    kinds = sorted({d.platform for d in devices})
+    return f"this machine has {len(devices)} {'/'.join(kinds)} device{'s' if len(devices) != 1 else ''}"
+
+
+def pick_devices(devices: list, indices: tuple[int, ...], what: str) -> list:
+    """``devices[i]`` for each index; an index the machine does not have is a ``ConfigError`` naming the fix."""
+    bad = [i for i in indices if not 0 <= i < len(devices)]
+    if bad:
+        raise ConfigError(f"MeshConfig.{what}={tuple(indices)} names device(s) {bad}, but {_have(devices)} "
+                          f"(indices 0..{len(devices) - 1}); {SIMULATE_HINT}")
+    return [devices[i] for i in indices]
+
+
 def make_mesh(devices: list, tp: int = 1, ep: int = 1) -> Mesh:
     """A ``(ep, tp)`` mesh over exactly ``tp * ep`` devices."""
     if len(devices) != tp * ep:
-        raise ValueError(f"mesh of tp={tp} x ep={ep} needs {tp * ep} devices, got {len(devices)}")
+        raise ConfigError(f"a mesh of tp={tp} x ep={ep} needs {tp * ep} devices, got {len(devices)}; set the "
+                          f"MeshConfig device set and tp/ep sizes to agree")
     return Mesh(np.asarray(devices, dtype=object).reshape(ep, tp), ("ep", "tp"))
 
 
@@ -58,16 +80,33 @@ def split_devices(devices: list, prefill: tuple[int, ...] | None, decode: tuple[
                   n_prefill: int, n_decode: int) -> tuple[list, list]:
     """Disjoint prefill and decode device lists (explicit indices, or the first n_prefill / next n_decode)."""
     if prefill is not None and decode is not None:
-        pre, dec = [devices[i] for i in prefill], [devices[i] for i in decode]
+        pre, dec = pick_devices(devices, prefill, "prefill_devices"), pick_devices(devices, decode, "decode_devices")
     elif len(devices) >= n_prefill + n_decode:
         pre, dec = devices[:n_prefill], devices[n_prefill:n_prefill + n_decode]
     elif len(devices) == 1 and n_prefill == n_decode == 1:
         return devices, devices  # one device: the phases share it (still separate weights and representations)
     else:
-        raise ValueError(f"need {n_prefill} + {n_decode} devices for disaggregated serving, have {len(devices)}")
+        raise ConfigError(f"disaggregated serving with prefill_tp={n_prefill} and {n_decode} decode devices needs "
+                          f"{n_prefill + n_decode} devices, but {_have(devices)}; {SIMULATE_HINT}")
     if set(map(id, pre)) & set(map(id, dec)):
-        raise ValueError("prefill and decode device sets overlap")
+        raise ConfigError("prefill and decode device sets overlap; disaggregated mode needs disjoint sets "
+                          "(or use mode='colocated')")
     return pre, dec
+
+
+def phase_devices(devices: list, mesh: MeshConfig, mode: str) -> tuple[list, list]:
+    """(prefill, decode) device lists for ``mode``; colocated: one list used by both phases."""
+    n_dec = mesh.decode_tp * mesh.decode_ep
+    if mode == "disaggregated":
+        return split_devices(devices, mesh.prefill_devices, mesh.decode_devices, mesh.prefill_tp, n_dec)
+    if mesh.decode_devices is not None:
+        dec = pick_devices(devices, mesh.decode_devices, "decode_devices")
+    elif len(devices) >= n_dec:
+        dec = devices[:n_dec]
+    else:
+        raise ConfigError(f"decode_tp={mesh.decode_tp} x decode_ep={mesh.decode_ep} needs {n_dec} devices, but "
+                          f"{_have(devices)}; {SIMULATE_HINT}")
+    return dec, dec
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,

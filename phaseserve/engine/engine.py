@@ -229,18 +229,18 @@ class Engine:
         """Submit ``requests`` and yield ``(request_id, token)`` as tokens are produced, until all finish."""
         for r in requests:
             self.add_request(r)
-        self.metrics.start = time.perf_counter()
+        self.metrics.begin()
         while self.has_work:
             yield from self.step()
-        self.metrics.end = time.perf_counter()
+        self.metrics.finish()
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run ``requests`` to completion; outputs in input order (a duplicate id gets its own error output)."""
         outs = [self.add_request(r) for r in requests]
-        self.metrics.start = time.perf_counter()
+        self.metrics.begin()
         while self.has_work:
             self.step()
-        self.metrics.end = time.perf_counter()
+        self.metrics.finish()
         return outs
 
     def reset_metrics(self) -> None:

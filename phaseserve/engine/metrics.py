@@ -1,7 +1,15 @@
-"""Run-level serving metrics: latency percentiles, throughput, cache occupancy, preemptions and aborts."""
+"""Run-level serving metrics: latency percentiles, throughput, cache occupancy, preemptions and aborts.
+
+What one summary covers: everything since the engine was built or since :meth:`Engine.reset_metrics` -- the
+outputs of every ``generate`` / ``stream`` call in between, and as wall time the *sum of those calls' own
+durations* (each call opens a timed window with :meth:`RunMetrics.begin` and closes it with
+:meth:`RunMetrics.finish`; time spent outside the calls does not count). Tokens and time are therefore always
+counted over the same calls, so ``output_tok_per_s`` of two calls is their tokens over their summed wall time.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,8 +26,9 @@ def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]
 class RunMetrics:
     """Counters the engine updates as it runs; :meth:`summary` turns them and the outputs into one dict."""
 
-    start: float = 0.0
-    end: float = 0.0
+    start: float = 0.0  # opening of the current (or last) timed window, perf_counter seconds
+    end: float = 0.0  # its close
+    busy_s: float = 0.0  # sum of the closed windows since the last reset
     decode_steps: int = 0
     prefill_batches: int = 0
     prefill_tokens: int = 0
@@ -32,8 +41,17 @@ class RunMetrics:
     peak_pages_in_use: int = 0
     decode_time: float = 0.0
     prefill_time: float = 0.0
-    host_time: float = 0.0  # scheduler and bookkeeping time in the decode loop
+    host_time: float = 0.0  # host time inside the decode call only (the summary counts schedule() via the wall)
     running_samples: list[int] = field(default_factory=list)
+
+    def begin(self) -> None:
+        """Open a timed window (a ``generate`` / ``stream`` call starts)."""
+        self.start = time.perf_counter()
+
+    def finish(self) -> None:
+        """Close the window opened by :meth:`begin`; its length adds to the run's wall time."""
+        self.end = time.perf_counter()
+        self.busy_s += self.end - self.start
 
     def observe(self, running: int, pages_in_use: int) -> None:
         self.peak_running = max(self.peak_running, running)
@@ -41,8 +59,14 @@ class RunMetrics:
         self.running_samples.append(running)
 
     def summary(self, outputs: list[RequestOutput], prefix_lookup_pages: int = 0, prefix_hit_pages: int = 0) -> dict:
-        """Aggregate counters and per-request metrics; prefix counts come from the scheduler that owns them."""
-        wall = max(self.end - self.start, 1e-9)
+        """Aggregate counters and per-request metrics; prefix counts come from the scheduler that owns them.
+
+        ``wall_s`` is the summed length of the closed windows (a driver that sets ``start`` / ``end`` itself
+        without :meth:`finish` gets ``end - start``). ``host_fraction_of_decode`` is the share of the decode part
+        of the loop (wall minus prefill) that is not the decode device call: scheduling, page tables, the
+        integrity bookkeeping and token emission all count.
+        """
+        wall = max(self.busy_s or (self.end - self.start), 1e-9)
         done = [o for o in outputs if o.finish_reason in ("length", "stop")]
         out_tokens = sum(len(o.tokens) for o in outputs)
         return {
@@ -64,5 +88,26 @@ class RunMetrics:
             "preemptions": self.preemptions,
             "integrity_checks": self.integrity_checks,
             "prefix_hit_rate": prefix_hit_pages / prefix_lookup_pages if prefix_lookup_pages else 0.0,
-            "host_fraction_of_decode": self.host_time / max(self.decode_time + self.host_time, 1e-9),
+            "host_fraction_of_decode": max(wall - self.prefill_time - self.decode_time, 0.0)
+            / max(wall - self.prefill_time, 1e-9),
         }
+
+
+OVERSIZE_FACTOR = 4  # a pool this many times larger than the running requests can hold draws a warning
+
+
+def oversized_pool(num_pages: int, max_batch: int, max_pages_per_seq: int, page_bytes: int) -> str | None:
+    """A warning (with the numbers) when the KV pool is far larger than the work can use, else None.
+
+    At most ``max_batch * max_pages_per_seq`` pages are held by running requests at once (the rest can only keep
+    finished prefixes for reuse). A pool more than :data:`OVERSIZE_FACTOR` times that is memory the work cannot
+    use, and on XLA:CPU the decode step's cost still grows with the pool's size; ``page_bytes`` is one page's
+    size in the chosen KV dtype.
+    """
+    usable = max_batch * max_pages_per_seq
+    if num_pages - 1 <= OVERSIZE_FACTOR * usable:
+        return None
+    return (f"the KV budget gives {num_pages - 1:,} pages ({(num_pages - 1) * page_bytes / 2**20:,.1f} MiB) but "
+            f"max_batch={max_batch} x max_pages_per_seq={max_pages_per_seq} running requests can hold at most "
+            f"{usable:,} ({usable * page_bytes / 2**20:,.1f} MiB); the decode step's cost grows with the pool on "
+            f"XLA:CPU -- lower CacheConfig.kv_budget_bytes (or set num_pages) to fit the work")

@@ -29,6 +29,10 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model it claims to be."""
 
 
+class NotACheckpointError(CheckpointError):
+    """The path is not a Hugging Face checkpoint directory (no such directory, or no ``config.json`` in it)."""
+
+
 class MissingTensorError(CheckpointError):
     pass
 
@@ -141,7 +145,12 @@ class TensorStore:
 
 
 def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
-    hf = json.loads((Path(directory) / "config.json").read_text())
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        why = "no such directory" if not Path(directory).is_dir() else "it has no config.json"
+        raise NotACheckpointError(f"{directory} is not a checkpoint directory ({why}); expected a Hugging Face "
+                                  f"model directory with config.json and *.safetensors")
+    hf = json.loads(path.read_text())
     return ModelConfig.from_hf_config(hf), hf
 
 

@@ -214,7 +214,10 @@ def resolve_policy(spec: str | dict | QuantPolicy | None, base: str | None = Non
             key = start_name.lower()
             key = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(key, key)
             if key not in PRESET_POLICIES:
-                raise PolicyError(f"unknown quantization policy {start_name!r}; presets: {sorted(PRESET_POLICIES)}")
+                raise PolicyError(f"unknown quantization policy {start_name!r}; expected 'fp8' or 'int4' (the "
+                                  f"QuantConfig.prefill_weights / decode_weights names), a preset "
+                                  f"{sorted(PRESET_POLICIES)}, or a preset with per-class overrides such as "
+                                  f"'kimi-int4,routed_experts=int4:g32'")
             start = PRESET_POLICIES[key]
             items = items[1:]
         else:
