@@ -5,7 +5,12 @@ Everything a run is parameterised by lives here as a frozen dataclass:
 - ``ModelConfig``: the architecture (GQA or MLA attention, dense or MoE MLP), built from a Hugging Face
   ``config.json`` with :meth:`ModelConfig.from_hf_config`.
 - ``QuantConfig``: the weight representation per phase and the KV-cache dtype.
-- ``CacheConfig``: the paged decode cache (page size, number of pages or byte budget, integrity).
+- ``CacheConfig``: the paged decode cache (page size, number of pages or byte budget, integrity, admission and
+  preemption policies). With neither ``num_pages`` nor ``kv_budget_bytes`` the engine takes ``memory_fraction``
+  of the accelerator's free memory, or :data:`DEFAULT_CPU_KV_BYTES` on the CPU.
+
+Every field is checked when the dataclass is built (types, ranges, known names): a bad value raises
+:class:`ConfigError` before anything is allocated.
 - ``MeshConfig``: which devices the prefill and decode phases run on.
 - ``ServeConfig``: everything the engine needs, composed of the above.
 
@@ -203,6 +208,33 @@ class QuantConfig:
     int4_group_size: int = 128
     fp8_block: tuple[int, int] | None = (128, 128)  # None: per-channel scales
 
+    def __post_init__(self):
+        for name in ("prefill_weights", "decode_weights"):
+            _check(isinstance(getattr(self, name), str) and getattr(self, name) != "",
+                   f"QuantConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
+        for name in ("kv_dtype", "prefill_kv_dtype"):
+            _check(isinstance(getattr(self, name), str), f"QuantConfig.{name} must be a dtype name (str)")
+            canonical_dtype(getattr(self, name))
+        _positive_int("QuantConfig.int4_group_size", self.int4_group_size)
+        if self.fp8_block is not None:
+            _check(len(tuple(self.fp8_block)) == 2, f"QuantConfig.fp8_block must be (rows, cols), got {self.fp8_block}")
+            for b in self.fp8_block:
+                _positive_int("QuantConfig.fp8_block entry", b)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive_int(name: str, v: Any, lo: int = 1) -> None:
+    _check(isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= lo,
+           f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+DEFAULT_CPU_KV_BYTES = 64 * 2**20  # KV budget when neither num_pages nor kv_budget_bytes is set and there is no
+# accelerator memory to take a fraction of (CPU): a fixed, modest 64 MiB
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -214,6 +246,24 @@ class CacheConfig:
     max_pages_per_seq: int = 64
     integrity: bool = True  # page-tag check before every decode step
     admission: str = "reserve"  # "reserve" (prompt + max_tokens at admission) | "on_demand" (grow, preempt)
+    preemption: str = "recompute"  # on_demand victims: "recompute" (re-prefill) | "swap" (pages to host and back)
+    memory_fraction: float = 0.9  # no num_pages/kv_budget_bytes: this fraction of the free accelerator memory
+    # goes to the KV cache (as vLLM's gpu_memory_utilization); on the CPU, DEFAULT_CPU_KV_BYTES
+
+    def __post_init__(self):
+        _positive_int("CacheConfig.page_size", self.page_size)
+        if self.num_pages is not None:
+            _positive_int("CacheConfig.num_pages", self.num_pages, 2)  # page 0 is the reserved null page
+        if self.kv_budget_bytes is not None:
+            _positive_int("CacheConfig.kv_budget_bytes", self.kv_budget_bytes)
+        _positive_int("CacheConfig.max_pages_per_seq", self.max_pages_per_seq)
+        _check(isinstance(self.integrity, bool), f"CacheConfig.integrity must be a bool, got {self.integrity!r}")
+        _check(self.admission in ("reserve", "on_demand"),
+               f"CacheConfig.admission must be 'reserve' or 'on_demand', got {self.admission!r}")
+        _check(self.preemption in ("recompute", "swap"),
+               f"CacheConfig.preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        _check(isinstance(self.memory_fraction, float | int) and 0 < self.memory_fraction <= 1,
+               f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -239,3 +289,17 @@ class ServeConfig:
     max_prefill_tokens: int = 2048  # tokens per prefill batch
     max_context: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
+
+    def __post_init__(self):
+        _check(self.mode in ("disaggregated", "colocated"),
+               f"ServeConfig.mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        for name, typ in (("quant", QuantConfig), ("cache", CacheConfig), ("mesh", MeshConfig)):
+            _check(isinstance(getattr(self, name), typ), f"ServeConfig.{name} must be a {typ.__name__}")
+        _positive_int("ServeConfig.max_batch", self.max_batch)
+        _positive_int("ServeConfig.max_prefill_tokens", self.max_prefill_tokens)
+        if self.max_context is not None:
+            _positive_int("ServeConfig.max_context", self.max_context, 2)
+        _positive_int("ServeConfig.seed", self.seed, 0)
+        for name in ("prefill_tp", "decode_tp", "decode_ep"):
+            if hasattr(self.mesh, name):
+                _positive_int(f"MeshConfig.{name}", getattr(self.mesh, name))

@@ -21,10 +21,11 @@ Page layout (one page id addresses the same slot range in every layer's pool, se
 
     token t of a request lives at  page = row[t // page_size],  slot = t % page_size
 
-Tags. Every allocation (and every reclaim of a free page) gives the page a fresh tag from a counter that only
+Tags. Every allocation gives the page a fresh tag from a counter that only
 increases. The counter is 32 bits (the device tag array is ``u32[num_pages]``) and skips 0. **Wraparound**: when
 the counter passes ``2**32 - 1`` the allocator retires the epoch -- it snapshots every tag still held (by a page,
-or recorded by any live request in a registered :class:`PageTables`), restarts at 1, and skips every snapshot tag
+or recorded by any registered holder: the live requests of a :class:`PageTables`, the scheduler's prefix index),
+restarts at 1, and skips every snapshot tag
 for the whole new epoch. Tags issued within an epoch are strictly increasing, so a tag is never reissued while any
 page or any live request record holds it; ``epoch`` counts the wraps. (A hard error at wraparound was rejected:
 at ~10^2 allocations/s a long-running server would hit it within a year.)
@@ -39,6 +40,7 @@ Device tag updates are not pushed one by one: the allocator keeps a small dict o
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -66,12 +68,11 @@ class UnknownRequestError(AllocatorError):
 class PageAllocator:
     """Reference-counted, tagged physical pages with an LRU free queue.
 
-    Free queue: a doubly linked list threaded through two index arrays (``_next``/``_prev``, with a sentinel at
-    index ``num_pages``), not a ``collections.deque``. Allocation pops the head and free appends at the tail, both
-    O(1) as with a deque, but the list also removes an arbitrary page in O(1) (:meth:`reclaim`), which a deque
-    cannot: the engine's prefix cache revives a freed page whose contents are still valid without scanning the
-    queue, and the least recently freed pages are the ones overwritten first. :class:`PageTables` frees a request's
-    pages tail-first so the end of a sequence (least likely to be a shared prefix) is reused before its start.
+    Free queue: a ``collections.deque``; allocation pops the head, free appends at the tail, so the least recently
+    freed pages are the ones overwritten first. Nothing ever takes a page out of the middle (prefix hits are only
+    honoured on pages a live request still holds), so a linked list with O(1) removal would not earn its lines.
+    :class:`PageTables` frees a request's pages tail-first so the end of a sequence (least likely to be a shared
+    prefix) is reused before its start. ``_in_queue bool[num_pages]`` answers "is this page free" in O(1).
     """
 
     def __init__(self, num_pages: int, *, first_tag: int = 1):
@@ -80,12 +81,9 @@ class PageAllocator:
         self.num_pages = num_pages
         self.refcount = np.zeros(num_pages, np.int32)  # i32[num_pages]
         self.tags = np.zeros(num_pages, np.uint32)  # u32[num_pages]; 0 = free / null
-        self._sentinel = s = num_pages
-        # Free queue over pages 1..N-1 in id order: sentinel <-> 1 <-> 2 <-> ... <-> N-1 <-> sentinel.
-        # Indices 0..N; index 0 (the null page) is never linked; -1 marks "not in the queue".
-        self._next = [-1] + list(range(2, num_pages)) + [s, 1]
-        self._prev = [-1, s] + list(range(1, num_pages - 1)) + [num_pages - 1]
-        self._num_free = num_pages - 1
+        self._free: deque[int] = deque(range(1, num_pages))  # pages 1..N-1 in id order; the null page never
+        self._in_queue = np.ones(num_pages, bool)  # bool[num_pages]
+        self._in_queue[NULL_PAGE] = False
         self._next_tag = 1
         self.seed_tag_counter(first_tag)
         self.epoch = 0
@@ -96,19 +94,15 @@ class PageAllocator:
     # ---- queries -------------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return len(self._free)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - 1 - self._num_free
+        return self.num_pages - 1 - len(self._free)
 
     def free_pages(self) -> list[int]:
         """The free queue, head (next to be allocated) first."""
-        out, p = [], self._next[self._sentinel]
-        while p != self._sentinel and len(out) <= self.num_pages:
-            out.append(p)
-            p = self._next[p]
-        return out
+        return list(self._free)
 
     # ---- tags ----------------------------------------------------------------------------------------------
     def seed_tag_counter(self, next_tag: int) -> None:
@@ -147,22 +141,6 @@ class PageAllocator:
         self._pending.clear()
         return pages, tags
 
-    # ---- free queue ----------------------------------------------------------------------------------------
-    def _unlink(self, p: int) -> None:
-        n, q = self._next[p], self._prev[p]
-        self._next[q], self._prev[n] = n, q
-        self._next[p] = self._prev[p] = -1
-        self._num_free -= 1
-
-    def _append(self, p: int) -> None:
-        s = self._sentinel
-        last = self._prev[s]
-        self._next[last], self._prev[p], self._next[p], self._prev[s] = p, last, s, p
-        self._num_free += 1
-
-    def _is_free(self, p: int) -> bool:
-        return self._next[p] != -1
-
     # ---- allocation ----------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` pages from the head of the free queue, each with refcount 1 and a fresh tag.
@@ -171,26 +149,16 @@ class PageAllocator:
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > self._num_free:
+        if n > len(self._free):
             return None
         out = []
         for _ in range(n):
-            p = self._next[self._sentinel]
-            self._unlink(p)
+            p = self._free.popleft()
+            self._in_queue[p] = False
             self.refcount[p] = 1
             self._set_tag(p, self._fresh_tag())
             out.append(p)
         return out
-
-    def reclaim(self, pages: list[int]) -> None:
-        """Take specific free pages out of the queue (prefix-cache revival): refcount 1, fresh tag each."""
-        self._validate(pages)
-        if len(set(pages)) != len(pages) or not all(self._is_free(p) for p in pages):
-            raise AllocatorError(f"reclaim needs distinct free pages, got {pages}")
-        for p in pages:
-            self._unlink(p)
-            self.refcount[p] = 1
-            self._set_tag(p, self._fresh_tag())
 
     def share(self, pages: list[int]) -> None:
         """One more reference to each (allocated) page, for a request that shares a prompt prefix; tags unchanged."""
@@ -220,7 +188,8 @@ class PageAllocator:
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 self._set_tag(p, 0)
-                self._append(p)
+                self._free.append(p)
+                self._in_queue[p] = True
                 released.append(p)
         return released
 
@@ -233,14 +202,9 @@ class PageAllocator:
     def check_invariants(self) -> None:
         """Every page is free xor owned; the free queue is a consistent list without duplicates; tags are sane."""
         free = self.free_pages()
-        assert len(free) == self._num_free, f"free queue length {len(free)} != num_free {self._num_free}"
         assert len(set(free)) == len(free), "free queue holds duplicates"
         assert NULL_PAGE not in free, "null page is in the free queue"
-        back, p = [], self._prev[self._sentinel]
-        while p != self._sentinel and len(back) <= self.num_pages:
-            back.append(p)
-            p = self._prev[p]
-        assert back[::-1] == free, "free queue prev/next links disagree"
+        assert self._in_queue.sum() == len(free) and self._in_queue[free].all(), "free-queue membership disagrees"
         rc = self.refcount
         assert rc[NULL_PAGE] == 0 and self.tags[NULL_PAGE] == 0, "null page is owned or tagged"
         assert (rc >= 0).all(), "negative refcount"

@@ -14,6 +14,17 @@ One :meth:`Engine.step`::
 A bad request ends alone with ``finish_reason="error"`` and a typed error, before anything is allocated; a
 request whose pages fail the integrity check ends ``"aborted"`` with a ``KVIntegrityError`` while every other
 row of the batch goes on unaffected.
+
+Fault containment: an exception raised while serving a request -- scheduling it, prefilling it, handing its KV
+over, decoding it -- ends that request with ``finish_reason="error"`` and the exception, releases its pages, and
+the engine keeps serving. A failing prefill batch or decode step is retried in halves until the failure is
+narrowed to single requests; if a device call lost the page pool (a donated buffer), every request whose KV was
+in it ends with the error and the pool is rebuilt empty.
+
+Preemption (``CacheConfig.admission="on_demand"``): ``CacheConfig.preemption="recompute"`` re-prefills a victim's
+prompt and generated tokens at readmission (with FP8 KV the generated tokens' KV is then rebuilt with prefill
+attention, so outputs can depend on load); ``"swap"`` copies the victim's pages (values and scales, exactly) to
+host memory and writes them back into fresh pages at readmission, so outputs do not depend on load.
 """
 
 from __future__ import annotations
@@ -25,7 +36,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from phaseserve.cache.paged import pages_for_budget
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics
@@ -33,17 +43,23 @@ from phaseserve.engine.request import (
     CancelledError,
     DuplicateRequestError,
     InvalidParameterError,
+    Limits,
     Request,
     RequestError,
     RequestOutput,
     validate,
 )
 from phaseserve.engine.scheduler import Scheduler, Sequence
-from phaseserve.engine.workers import DecodeWorker, PrefillWorker, stop_reason
+from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, stop_reason
 from phaseserve.model.params import Params
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.sharding import make_mesh, replicated, shard_params, split_devices
+
+
+class EngineBusyError(RuntimeError):
+    """``generate()`` / ``stream()`` called while another of this engine's drivers is still running (e.g. a
+    ``generate()`` inside a ``stream()`` loop): it would take the other driver's tokens."""
 
 
 class Engine:
@@ -51,8 +67,6 @@ class Engine:
                  attn_impl: str = "auto", handoff: Any = None):
         self.cfg = cfg
         self.serve = serve = serve or ServeConfig()
-        if serve.mode not in ("disaggregated", "colocated"):
-            raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {serve.mode!r}")
         m, q, c = serve.mesh, serve.quant, serve.cache
         devices = jax.devices()
         n_dec = m.decode_tp * m.decode_ep
@@ -71,12 +85,7 @@ class Engine:
 
         # decode cache
         self.kv_dtype = canonical_dtype(q.kv_dtype)
-        if c.num_pages is not None:
-            num_pages = c.num_pages
-        elif c.kv_budget_bytes is not None:
-            num_pages = pages_for_budget(cfg, self.kv_dtype, c.page_size, c.kv_budget_bytes)
-        else:
-            raise ValueError("CacheConfig needs num_pages or kv_budget_bytes")
+        num_pages = cache_pages(cfg, c, self.kv_dtype, dec_devs[0])
         self.prefill = PrefillWorker(cfg, prefill_params, kv_dtype=self.kv_dtype, prefill_kv_dtype=q.prefill_kv_dtype,
                                      max_prefill_tokens=serve.max_prefill_tokens)
         self.decode = DecodeWorker(cfg, decode_params, self.decode_mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,
@@ -84,12 +93,16 @@ class Engine:
                                    integrity=c.integrity, attn_impl=attn_impl)
         self.num_pages = num_pages
         self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
-        self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission)
+        self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption)
         self.max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
+        self.limits = Limits(cfg.vocab_size, self.max_context, c.page_size, min(num_pages - 1, c.max_pages_per_seq))
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
         self.outputs: dict[str, RequestOutput] = {}  # this run's outputs by id (an id may be reused once finished)
         self._seqs: dict[str, Sequence] = {}
+        self._driving = False  # a generate()/stream() is running
+        self._yielded: dict[str, int] | None = None  # tokens handed out per request by the running stream()
+        self.swap_stats = dict(swap_outs=0, swap_ins=0, bytes=0, seconds=0.0)  # preemption="swap" traffic
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
 
     @classmethod
@@ -121,32 +134,39 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput:
         """Queue a request; a malformed one is finished with ``finish_reason="error"`` right away."""
-        out = RequestOutput(id=req.id)
+        out = RequestOutput(id=getattr(req, "id", None))
         out.metrics.arrival = time.perf_counter()
-        out.metrics.num_prompt_tokens = len(req.prompt) if isinstance(req.prompt, (list, tuple)) else 0
         try:
+            req = validate(req, self.limits)
             if req.id in self._seqs:
                 raise DuplicateRequestError(f"request id {req.id!r} is already in flight")
-            validate(req, self.cfg.vocab_size, self.max_context)
-            if self.scheduler.max_pages_ever(req) > self.num_pages - 1:
-                raise InvalidParameterError(f"request {req.id!r} needs {self.scheduler.max_pages_ever(req)} pages; "
-                                            f"the cache has {self.num_pages - 1}")
         except RequestError as e:
-            out.finish_reason, out.error = "error", e
-            out.metrics.finished = time.perf_counter()
-            self.metrics.errors += 1
-            return out
+            return self._reject(out, e)
+        except Exception as e:  # a gap in validate() must still end only this request
+            return self._reject(out, InvalidParameterError(f"request {out.id!r:.40} is malformed: {e!r:.200}"))
+        out.metrics.num_prompt_tokens = len(req.prompt)
         seq = Sequence(request=req, output=out, tokens=list(req.prompt), num_prompt=len(req.prompt))
         self.outputs[req.id] = out
         self._seqs[req.id] = seq
         self.scheduler.add(seq)
         return out
 
+    def _reject(self, out: RequestOutput, err: RequestError) -> RequestOutput:
+        out.finish_reason, out.error = "error", err
+        out.metrics.finished = time.perf_counter()
+        self.metrics.errors += 1
+        return out
+
     def cancel(self, request_id: str) -> bool:
-        """Stop a queued or running request; its pages are released. False if unknown or already finished."""
-        seq = self._seqs.get(request_id)
+        """Stop a queued or running request; its pages are released at once and no token of it is produced (or
+        yielded by a running :meth:`stream`) after this returns True. False if unknown or already finished."""
+        seq = self._seqs.get(request_id) if isinstance(request_id, str) else None
         if seq is None:
             return False
+        if self._yielded is not None:  # streaming: the output holds exactly the tokens handed out so far
+            n = self._yielded.get(request_id, 0)
+            del seq.output.tokens[n:]
+            seq.output.metrics.num_output_tokens = n
         self._finish(seq, "aborted", CancelledError(f"request {request_id!r} was cancelled"))
         return True
 
@@ -157,10 +177,19 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
         seq.output.finish_reason, seq.output.error = reason, error
         seq.output.metrics.finished = time.perf_counter()
+        seq.swap = None
         self.scheduler.finish(seq)
-        del self._seqs[seq.id]
+        self._seqs.pop(seq.id, None)
         if reason == "aborted" and error is not None and not isinstance(error, CancelledError):
             self.metrics.aborts += 1
+        elif reason == "error":
+            self.metrics.errors += 1
+
+    def _fail(self, seqs: list[Sequence], err: Exception) -> None:
+        """End ``seqs`` (those still in flight) with ``finish_reason="error"`` and ``err``; their pages go back."""
+        for s in seqs:
+            if self._seqs.get(s.id) is s:
+                self._finish(s, "error", err)
 
     def _emit(self, seq: Sequence, token: int, events: list) -> None:
         """Append a generated token, record timing, finish on stop / length."""
@@ -180,37 +209,103 @@ class Engine:
     def step(self) -> list[tuple[str, int]]:
         """Run one scheduling round; returns the ``(request_id, token)`` pairs produced."""
         events: list[tuple[str, int]] = []
-        res = self.scheduler.schedule()
+        try:
+            res = self.scheduler.schedule()
+        except Exception as e:  # not narrowed to one request by the scheduler: end this step's requests
+            self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), e)
+            return events
+        for seq, err in res.failed:
+            self._fail([seq], err)
         self.metrics.preemptions += len(res.preempted)
+        swapped = [s for s in res.preempted if s.swap is not None]
+        if swapped:
+            self._swap(swapped, out=True)
         if res.admitted:
-            self._run_prefill(res.admitted, events)
+            self._run_prefill([s for s in res.admitted if s.swap is None], events)
+            self._swap([s for s in res.admitted if s.swap is not None and s in self.scheduler.running], out=False)
         if self.scheduler.running:
             self._run_decode(events)
         self.metrics.observe(len(self.scheduler.running), self.allocator.num_used)
         return events
 
+    def _device_failure(self, seqs: list[Sequence], err: Exception) -> bool:
+        """After a device call raised: end ``seqs`` if it cannot be retried in parts; True if it was narrowed."""
+        if not self.decode.pool_ok():  # a donated pool was consumed: every page's KV is gone
+            self._fail(list(self.scheduler.running) + seqs, err)
+            self.decode.reset_pool()
+            self.scheduler.prefix.clear()
+            return False
+        if len(seqs) == 1:
+            self._fail(seqs, err)
+            return False
+        return True
+
     def _run_prefill(self, admitted: list[Sequence], events: list) -> None:
         t0 = time.perf_counter()
         for group in self.prefill.groups(admitted):
+            self._prefill_group(group, events)
+        self.metrics.prefill_time += time.perf_counter() - t0
+
+    def _prefill_group(self, group: list[Sequence], events: list) -> None:
+        group = [s for s in group if self._seqs.get(s.id) is s]  # a narrowed retry may have ended some
+        if not group:
+            return
+        try:
             first, kvq, lengths = self.prefill.run(group)
             kvq = self.handoff.transfer(kvq, replicated(self.decode_mesh))
             start = np.zeros(len(lengths), np.int32)
             start[: len(group)] = [s.shared_pages * self.serve.cache.page_size for s in group]
             self.decode.land([s.id for s in group], kvq, lengths, start)
-            self.metrics.prefill_batches += 1
-            self.metrics.prefill_tokens += int(lengths.sum())
-            for i, s in enumerate(group):
-                self.scheduler.register_prefix(s)
-                if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
-                    self._emit(s, int(first[i]), events)
-        self.metrics.prefill_time += time.perf_counter() - t0
+        except Exception as e:
+            if self._device_failure(group, e):
+                half = len(group) // 2
+                self._prefill_group(group[:half], events)
+                self._prefill_group(group[half:], events)
+            return
+        self.metrics.prefill_batches += 1
+        self.metrics.prefill_tokens += int(lengths.sum())
+        for i, s in enumerate(group):
+            self.scheduler.register_prefix(s)
+            if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
+                self._emit(s, int(first[i]), events)
+
+    def _swap(self, seqs: list[Sequence], out: bool) -> None:
+        """preemption="swap": copy preempted requests' pages to host (``out``), or back into the fresh pages of
+        readmitted ones. Each request fails alone if its copy raises."""
+        t0 = time.perf_counter()
+        for s in seqs:
+            try:
+                if out:
+                    s.swap = self.decode.swap_out(s.swap)
+                else:
+                    self.decode.swap_in(self.tables.owned(s.id), s.swap)
+                    s.swap = None
+            except Exception as e:
+                if self._device_failure([s], e):
+                    self._fail([s], e)
+                continue
+            self.swap_stats["swap_outs" if out else "swap_ins"] += 1
+        self.swap_stats["bytes"] += sum(self.decode.swap_nbytes(s.swap) for s in seqs if s.swap is not None)
+        self.swap_stats["seconds"] += time.perf_counter() - t0
 
     def _run_decode(self, events: list) -> None:
         t0 = time.perf_counter()
-        rows = list(self.scheduler.running)
-        for hook in self.fault_hooks:
-            hook(self, rows)
-        nxt, failures, device_s = self.decode.step(rows)
+        device_s = self._decode_rows(list(self.scheduler.running), events)
+        self.metrics.decode_steps += 1
+        self.metrics.decode_time += device_s
+        self.metrics.host_time += time.perf_counter() - t0 - device_s
+
+    def _decode_rows(self, rows: list[Sequence], events: list) -> float:
+        """One decode step for ``rows`` (retried in halves if it raises); returns the device seconds."""
+        try:
+            for hook in self.fault_hooks:
+                hook(self, rows)
+            nxt, failures, device_s = self.decode.step(rows)
+        except Exception as e:
+            if not self._device_failure(rows, e):
+                return 0.0
+            half = len(rows) // 2
+            return self._decode_rows(rows[:half], events) + self._decode_rows(rows[half:], events)
         if self.tracker.enabled:
             self.metrics.integrity_checks += len(rows)
         for i, s in enumerate(rows):
@@ -219,28 +314,50 @@ class Engine:
                 self._finish(s, "aborted", err)
             else:
                 self._emit(s, int(nxt[i]), events)
-        self.metrics.decode_steps += 1
         self.metrics.decode_tokens += len(rows) - len(failures)
-        self.metrics.decode_time += device_s
-        self.metrics.host_time += time.perf_counter() - t0 - device_s
+        return device_s
 
     # ---- drivers -------------------------------------------------------------------------------------------
+    def _enter(self) -> None:
+        if self._driving:
+            raise EngineBusyError("this engine is already running a generate()/stream(); finish or close it first")
+        self._driving = True
+
     def stream(self, requests: list[Request]) -> Iterator[tuple[str, int]]:
-        """Submit ``requests`` and yield ``(request_id, token)`` as tokens are produced, until all finish."""
-        for r in requests:
-            self.add_request(r)
-        self.metrics.begin()
-        while self.has_work:
-            yield from self.step()
-        self.metrics.finish()
+        """Submit ``requests`` and yield ``(request_id, token)`` as tokens are produced, until all finish.
+
+        No token of a request is yielded after :meth:`cancel` returned True for it; closing the generator early
+        cancels this call's unfinished requests, releasing their pages at once."""
+        self._enter()
+        outs: list[RequestOutput] = []
+        try:
+            self._yielded = {}
+            outs = [self.add_request(r) for r in requests]
+            self.metrics.begin()
+            while self.has_work:
+                for rid, tok in self.step():
+                    if not isinstance(self.outputs[rid].error, CancelledError):  # not cancelled meanwhile
+                        self._yielded[rid] = self._yielded.get(rid, 0) + 1
+                        yield rid, tok
+            self.metrics.finish()
+        finally:
+            self._yielded = None
+            for o in outs:
+                if o.finish_reason is None:
+                    self.cancel(o.id)
+            self._driving = False
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run ``requests`` to completion; outputs in input order (a duplicate id gets its own error output)."""
-        outs = [self.add_request(r) for r in requests]
-        self.metrics.begin()
-        while self.has_work:
-            self.step()
-        self.metrics.finish()
+        self._enter()
+        try:
+            outs = [self.add_request(r) for r in requests]
+            self.metrics.begin()
+            while self.has_work:
+                self.step()
+            self.metrics.finish()
+        finally:
+            self._driving = False
         return outs
 
     def reset_metrics(self) -> None:

@@ -1,16 +1,23 @@
 """Requests, their outputs and the typed errors a request can end with.
 
-A :class:`Request` is what a user submits; the engine validates it on arrival (:func:`validate`) and a bad
-request ends alone with ``finish_reason="error"`` and one of the :class:`RequestError` subclasses below,
-having allocated nothing. ``max_tokens`` must be at least 1 and prompt + max_tokens must fit the context
-(``ServeConfig.max_context``, default the model's ``max_position_embeddings``, further capped by the
-pages one sequence may hold).
+A :class:`Request` is what a user submits; the engine (and the multi-process router) validates it on arrival
+with :func:`validate` -- the one copy of the rules -- and a bad request ends alone with ``finish_reason="error"``
+and one of the :class:`RequestError` subclasses below, having allocated nothing. Every field is checked for type
+and range: token ids are integers (numpy integers accepted, ``bool`` refused) inside the vocabulary; ``max_tokens
+>= 1`` and prompt + max_tokens fit the context (``ServeConfig.max_context``, default the model's
+``max_position_embeddings``, further capped by the pages one sequence may hold); ``temperature >= 0`` and ``0 <
+top_p <= 1`` are finite floats; ``0 <= top_k < 2**31``; ``0 <= seed < 2**32``; ``tenant`` is a UTF-8-encodable
+``str``; the id is a ``str``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 class RequestError(ValueError):
@@ -37,8 +44,15 @@ class DuplicateRequestError(RequestError):
     pass
 
 
+class InvalidRequestIdError(RequestError):
+    """The id is not a ``str`` (ids key the engine's tables, the router's and the wire protocol's)."""
+
+
 class CancelledError(RequestError):
     pass
+
+
+FINISH_REASONS = ("length", "stop", "aborted", "error")  # the only values ``RequestOutput.finish_reason`` takes
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,7 @@ class RequestMetrics:
 class RequestOutput:
     id: str
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length" | "stop" | "aborted" | "error" | "cancelled"
+    finish_reason: str | None = None  # one of FINISH_REASONS; a cancel is "aborted" with a CancelledError
     error: Exception | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -101,23 +115,99 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def validate(req: Request, vocab_size: int, max_context: int) -> None:
-    """Raise the matching :class:`RequestError` for a malformed request (nothing is allocated before this)."""
-    if not isinstance(req.prompt, (list, tuple)) or len(req.prompt) == 0:
-        raise EmptyPromptError(f"request {req.id!r}: empty prompt")
-    bad = [t for t in req.prompt if not isinstance(t, int) or t < 0 or t >= vocab_size]
+@dataclass(frozen=True)
+class Limits:
+    """What one deployment can hold: the bounds :func:`validate` checks a request against (built once by the engine
+    or the router from the model and serve configs)."""
+
+    vocab_size: int
+    max_context: int  # prompt + max_tokens must fit (model, serve config and per-sequence page cap)
+    page_size: int
+    max_pages: int  # pages one request may ever hold: min(allocatable cache pages, max_pages_per_seq)
+    staging_pages: int | None = None  # multi-process: the prefill server's staging capacity in pages
+
+
+def pages_ever(prompt_len: int, max_tokens: int, page_size: int) -> int:
+    """Pages a request can ever need: positions 0 .. prompt + max_tokens - 2 are written (the last sampled token is
+    never fed back; at least one decode input)."""
+    return -(-(prompt_len + max(max_tokens, 2) - 1) // page_size)
+
+
+U32_MAX, I32_MAX = 2**32 - 1, 2**31 - 1
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _integer(rid, name: str, v: Any, lo: int, hi: int | None, err: type[RequestError] = InvalidParameterError) -> int:
+    if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+        raise err(f"request {rid!r}: {name} must be an integer, got {type(v).__name__} {v!r:.40}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        raise err(f"request {rid!r}: {name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
+def _real(rid, name: str, v: Any, ok, rule: str) -> float:
+    if isinstance(v, bool | np.bool_) or not isinstance(v, int | float | np.integer | np.floating):
+        raise InvalidParameterError(f"request {rid!r}: {name} must be a real number, got {type(v).__name__} {v!r:.40}")
+    v = float(v)
+    if not (math.isfinite(v) and abs(v) <= F32_MAX and ok(v)):
+        raise InvalidParameterError(f"request {rid!r}: {name} must be finite and {rule}, got {v!r}")
+    return v
+
+
+def _token_ids(rid, name: str, v: Any, vocab_size: int) -> list[int]:
+    if isinstance(v, np.ndarray):
+        if v.ndim != 1 or v.dtype.kind not in "iu":
+            raise InvalidTokenError(f"request {rid!r}: {name} must be a 1-D integer array, got {v.dtype}{v.shape}")
+        v = v.tolist()
+    if not isinstance(v, list | tuple):
+        raise InvalidTokenError(f"request {rid!r}: {name} must be a list of token ids, got {type(v).__name__}")
+    bad = [t for t in v if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer)
+           or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidTokenError(f"request {req.id!r}: token ids outside [0, {vocab_size}): {bad[:5]}")
-    if not isinstance(req.max_tokens, int) or req.max_tokens < 1:
-        raise InvalidParameterError(f"request {req.id!r}: max_tokens must be >= 1, got {req.max_tokens!r}")
-    if len(req.prompt) >= max_context:
-        raise PromptTooLongError(f"request {req.id!r}: prompt of {len(req.prompt)} tokens does not fit the "
-                                 f"context of {max_context}")
-    if len(req.prompt) + req.max_tokens > max_context:
-        raise InvalidParameterError(f"request {req.id!r}: prompt ({len(req.prompt)}) + max_tokens "
-                                    f"({req.max_tokens}) exceeds the context of {max_context}")
-    if req.temperature < 0 or not (0 < req.top_p <= 1) or req.top_k < 0:
-        raise InvalidParameterError(f"request {req.id!r}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
-    bad_stop = [t for t in req.stop_token_ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
-    if bad_stop:
-        raise InvalidTokenError(f"request {req.id!r}: stop token ids outside the vocabulary: {bad_stop[:5]}")
+        raise InvalidTokenError(f"request {rid!r}: {name} must be integer ids in [0, {vocab_size}); "
+                                f"bad: {[repr(t)[:20] for t in bad[:5]]}")
+    return [int(t) for t in v]
+
+
+def validate(req: Any, limits: Limits) -> Request:
+    """Check every field of ``req`` and return it normalised (plain ``int`` token ids, tuple stop ids, ``bool``
+    ignore_eos); raise the matching :class:`RequestError` otherwise. Nothing is allocated before this runs, and it
+    is the one copy of these rules (the engine and the router both call it)."""
+    if not isinstance(req, Request):
+        raise InvalidParameterError(f"expected a phaseserve Request, got {type(req).__name__}")
+    rid = req.id
+    if not isinstance(rid, str):
+        raise InvalidRequestIdError(f"request id must be a str, got {type(rid).__name__} {rid!r:.40}")
+    prompt = _token_ids(rid, "prompt", req.prompt, limits.vocab_size)
+    if not prompt:
+        raise EmptyPromptError(f"request {rid!r}: empty prompt")
+    max_tokens = _integer(rid, "max_tokens", req.max_tokens, 1, None)
+    if len(prompt) >= limits.max_context:
+        raise PromptTooLongError(f"request {rid!r}: prompt of {len(prompt)} tokens does not fit the context of "
+                                 f"{limits.max_context}")
+    if len(prompt) + max_tokens > limits.max_context:
+        raise InvalidParameterError(f"request {rid!r}: prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the "
+                                    f"context of {limits.max_context}")
+    need = pages_ever(len(prompt), max_tokens, limits.page_size)
+    if need > limits.max_pages:
+        raise InvalidParameterError(f"request {rid!r} needs {need} pages; one request may hold {limits.max_pages}")
+    staged = -(-len(prompt) // limits.page_size)
+    if limits.staging_pages is not None and staged > limits.staging_pages:
+        raise PromptTooLongError(f"request {rid!r}: its prompt needs {staged} staging pages; the prefill server's "
+                                 f"staging area holds {limits.staging_pages}")
+    if not isinstance(req.tenant, str):
+        raise InvalidParameterError(f"request {rid!r}: tenant must be a str, got {type(req.tenant).__name__}")
+    try:
+        req.tenant.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParameterError(f"request {rid!r}: tenant is not encodable as UTF-8 ({e.reason})") from None
+    if not isinstance(req.ignore_eos, bool | np.bool_):
+        raise InvalidParameterError(f"request {rid!r}: ignore_eos must be a bool, got {type(req.ignore_eos).__name__}")
+    return req.replace(
+        prompt=prompt, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
+        temperature=_real(rid, "temperature", req.temperature, lambda v: v >= 0, ">= 0"),
+        top_p=_real(rid, "top_p", req.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=_integer(rid, "top_k", req.top_k, 0, I32_MAX),
+        seed=_integer(rid, "seed", req.seed, 0, U32_MAX),
+        stop_token_ids=tuple(_token_ids(rid, "stop_token_ids", req.stop_token_ids, limits.vocab_size)))

@@ -13,14 +13,21 @@ Admission is by free KV pages under one of two policies:
 - ``"on_demand"``: a request gets the pages of its prompt plus the next token; before each decode step every
   running request grows by a page when its next token crosses a page boundary. When the pool is short, the most
   recently admitted request is preempted *by recompute*: its pages are released and it goes back to the front of
-  the queue with its generated tokens appended to its prompt, to be prefilled again.
+  the queue with its generated tokens appended to its prompt, to be prefilled again (``preemption="recompute"``),
+  or, with ``preemption="swap"``, it records the pages it held (``Sequence.swap``) so the engine copies their KV
+  to host memory before anything overwrites them and writes it back into fresh pages at readmission (no prefill).
 
 A concurrency cap (``max_batch``) bounds the running batch (the decode step's rows).
 
 Prefix reuse: full prompt pages are keyed by a hash chain ``h_i = H(h_{i-1}, tokens of page i)`` seeded with the
 request's tenant salt, so equal prefixes of one tenant map to the same pages and a different tenant never hits.
 An entry records ``(page, tag)`` and is only honoured while the allocator still gives that page that tag with a
-live reference: a freed or reissued page can never be handed out as a prefix hit.
+live reference: a freed or reissued page can never be handed out as a prefix hit. The index is a registered tag
+holder of the allocator, so at tag wraparound its tags are retired with the live requests' ones and a stale entry
+can never match a page reissued (to any tenant) in a later epoch.
+
+Containment: an exception while growing or admitting one sequence removes that sequence alone (its pages released)
+and reports it in ``ScheduleResult.failed``; the rest of the round goes on.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from phaseserve.cache.allocator import PageTables
-from phaseserve.engine.request import Request, RequestOutput
+from phaseserve.engine.request import Request, RequestOutput, pages_ever
 
 
 @dataclass(eq=False)
@@ -43,6 +51,7 @@ class Sequence:
     num_prompt: int  # tokens prefilled at the last admission (prompt, plus generated ones after a preemption)
     shared_pages: int = 0  # leading pages taken from the prefix cache at admission
     admitted_order: int = 0
+    swap: Any = None  # preemption="swap": the pages held at preemption, then their KV on the host, until swapped in
 
     @property
     def id(self) -> str:
@@ -72,13 +81,17 @@ def page_hashes(tokens: list[int], page_size: int, salt: str, num_pages: int) ->
 class ScheduleResult:
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # removed, pages released
 
 
 class Scheduler:
     def __init__(self, tables: PageTables, page_size: int, max_batch: int, policy: str = "reserve",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, preemption: str = "recompute"):
         if policy not in ("reserve", "on_demand"):
             raise ValueError(f"admission policy must be 'reserve' or 'on_demand', got {policy!r}")
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
+        self.preemption = preemption
         self.tables = tables
         self.page_size = page_size
         self.max_batch = max_batch
@@ -90,6 +103,7 @@ class Scheduler:
         self.lookup_pages = 0
         self.hit_pages = 0
         self._order = 0
+        tables.allocator.register_tag_holder(lambda: [t for _, t in self.prefix.values()])
 
     # ---- pages ---------------------------------------------------------------------------------------------
     def _pages_for(self, num_tokens: int) -> int:
@@ -103,10 +117,10 @@ class Scheduler:
 
     def max_pages_ever(self, req: Request) -> int:
         """Positions 0 .. prompt + max_tokens - 2 are written (the last sampled token is never fed back)."""
-        return self._pages_for(len(req.prompt) + max(req.max_tokens, 2) - 1)
+        return pages_ever(len(req.prompt), req.max_tokens, self.page_size)
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.swap is not None:  # a swapped-out request brings its own KV back
             return []
         full = seq.num_prompt // self.page_size  # only full pages: decode writes start past them
         hits = []
@@ -143,11 +157,15 @@ class Scheduler:
         if self.tables.allocator.num_free < need:
             return False
         self.tables.add(seq.id)
-        if hits:
-            self.tables.share(seq.id, hits)
-        if need > 0 and self.tables.allocate(seq.id, need) is None:  # cannot happen after the check; be safe
+        try:
+            if hits:
+                self.tables.share(seq.id, hits)
+            if need > 0 and self.tables.allocate(seq.id, need) is None:  # cannot happen after the check; be safe
+                self.tables.release(seq.id)
+                return False
+        except Exception:
             self.tables.release(seq.id)
-            return False
+            raise
         seq.shared_pages = len(hits)
         seq.output.metrics.prefix_hit_tokens = len(hits) * self.page_size
         return True
@@ -157,6 +175,8 @@ class Scheduler:
             return False
         victim = max(self.running, key=lambda s: s.admitted_order)
         self.running.remove(victim)
+        if self.preemption == "swap":  # its KV is still in these pages until the next device write
+            victim.swap = self.tables.owned(victim.id)
         self.tables.release(victim.id)
         victim.num_prompt = len(victim.tokens) - 1  # recompute: prefill all but the pending input token
         victim.output.metrics.preemptions += 1
@@ -172,12 +192,22 @@ class Scheduler:
             for seq in sorted(self.running, key=lambda s: s.admitted_order):
                 if seq not in self.running:
                     continue
-                while not self.tables.grow(seq.id, seq.next_position + 1, self.page_size):
-                    if not self._preempt_one(result) or seq not in self.running:
-                        break
+                try:
+                    while not self.tables.grow(seq.id, seq.next_position + 1, self.page_size):
+                        if not self._preempt_one(result) or seq not in self.running:
+                            break
+                except Exception as e:
+                    self.finish(seq)
+                    result.failed.append((seq, e))
         while self.waiting and len(self.running) < self.max_batch and not result.preempted:  # no thrashing
             seq = self.waiting[0]
-            if not self._try_admit(seq):
+            try:
+                admitted = self._try_admit(seq)
+            except Exception as e:
+                self.waiting.popleft()
+                result.failed.append((seq, e))
+                continue
+            if not admitted:
                 break
             self.waiting.popleft()
             self._order += 1

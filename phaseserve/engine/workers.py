@@ -6,7 +6,11 @@ servers (``phaseserve.serving``): each owns one phase's weights-on-mesh and jitt
 - :class:`DecodeWorker`: the decode cache (page pool on the decode mesh, allocator, page tables, integrity tracker)
   and its jitted steps: :meth:`~DecodeWorker.land` scatters handed-over prompt KV into a request's pages,
   :meth:`~DecodeWorker.step` runs one integrity-checked decode step for a list of running sequences and returns the
-  next tokens plus the typed failures (pages of rows that read NaN/inf are scrubbed before anyone releases them).
+  next tokens plus the typed failures (pages of rows that read NaN/inf are scrubbed before anyone releases them);
+  :meth:`~DecodeWorker.swap_out` / :meth:`~DecodeWorker.swap_in` copy pages to host memory and back, bit for bit
+  (preemption by swap).
+
+:func:`cache_pages` sizes the page pool from ``CacheConfig`` (pages, a byte budget, or the documented default).
 
 :func:`stop_reason` is the one stop rule (stop tokens, eos unless ``ignore_eos``, ``max_tokens``).
 """
@@ -22,8 +26,8 @@ import numpy as np
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
-from phaseserve.cache.paged import clear_pages, init_pool
-from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
+from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, to_dtype
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import scatter_prompts
 from phaseserve.engine.prefill import PrefillBatch, prefill_step
@@ -35,6 +39,22 @@ from phaseserve.sharding import pool_shardings, replicated
 def bucket(n: int, lo: int = 1) -> int:
     """Next power of two >= max(n, lo): padded shapes compile a handful of times, not once per size."""
     return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+def cache_pages(cfg: ModelConfig, cache: CacheConfig, kv_dtype: str, device: jax.Device) -> int:
+    """Pages of the decode pool (the null page included): ``cache.num_pages``; else the pages of
+    ``cache.kv_budget_bytes``; else ``cache.memory_fraction`` of ``device``'s free memory (call it after the weights
+    are placed), or :data:`~phaseserve.config.DEFAULT_CPU_KV_BYTES` where the device reports no memory limit (CPU)."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    budget = cache.kv_budget_bytes
+    if budget is None:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            budget = int(cache.memory_fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    return pages_for_budget(cfg, kv_dtype, cache.page_size, budget)
 
 
 def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
@@ -99,6 +119,10 @@ class DecodeWorker:
         pool = init_pool(cfg, num_pages, page_size, kv_dtype)
         self._pool_sharding = pool_shardings(pool, mesh)
         self.pool = jax.device_put(pool, self._pool_sharding)
+        self._gather = jax.jit(lambda pool, idx: jax.tree.map(lambda x: x[idx], pool.layers))
+        self._put = jax.jit(lambda pool, idx, layers: pool.replace(layers=jax.tree.map(
+            lambda x, h: x.at[idx].set(h), pool.layers, layers)), out_shardings=self._pool_sharding,
+            donate_argnums=(0,))
         self.allocator = PageAllocator(num_pages)
         self.tables = PageTables(self.allocator, max_pages_per_seq)
         self.tracker = (IntegrityTracker(self.allocator, device=replicated(mesh)) if integrity
@@ -110,6 +134,35 @@ class DecodeWorker:
             out_shardings=(rep, self._pool_sharding, rep), donate_argnums=(1,))
         self._scatter = jax.jit(scatter_prompts, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+
+    def pool_ok(self) -> bool:
+        """False when a failed call consumed the (donated) pool: its buffers are gone."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
+
+    def reset_pool(self) -> None:
+        """A fresh zeroed pool (after :meth:`pool_ok` turned False; the caller has ended every request that held
+        pages, so the allocator holds none)."""
+        pool = init_pool(self.cfg, self.num_pages, self.page_size, self.kv_dtype)
+        self.pool = jax.device_put(pool, self._pool_sharding)
+
+    def swap_out(self, pages: list[int]) -> tuple[int, Any]:
+        """Copy ``pages`` (every layer, values and scales) to host memory: ``(n, host layers)``, each leaf
+        ``[bucket(n), ...]`` (padding rows read the null page). Call before anything writes to these pages."""
+        idx = np.zeros(bucket(len(pages)), np.int32)
+        idx[: len(pages)] = pages
+        return len(pages), jax.device_get(self._gather(self.pool, idx))
+
+    def swap_in(self, pages: list[int], host: tuple[int, Any]) -> None:
+        """Write a :meth:`swap_out` copy into the first ``n`` of ``pages`` (padding rows rewrite the null page with
+        its own contents)."""
+        n, layers = host
+        idx = np.zeros(jax.tree.leaves(layers)[0].shape[0], np.int32)
+        idx[:n] = pages[:n]
+        self.pool = self._put(self.pool, idx, layers)
+
+    @staticmethod
+    def swap_nbytes(host: tuple[int, Any]) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(host[1]))
 
     def land(self, ids: list[str], kvq: list, lengths: np.ndarray, start: np.ndarray) -> None:
         """Write prompt KV (already on the decode devices, rows in ``ids`` order, padded) into their pages;

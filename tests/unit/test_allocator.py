@@ -100,22 +100,10 @@ def test_invalid_page_ids_raise_and_change_nothing(page):
     a = PageAllocator(6)
     p = a.allocate(3)
     before = snapshot(a)
-    for op in (a.free, a.share, a.reclaim):
+    for op in (a.free, a.share):
         with pytest.raises(InvalidPageError):
             op([p[0], page])
         assert same(before, snapshot(a))
-
-
-def test_reclaim_takes_a_page_out_of_the_middle_of_the_queue():
-    a = PageAllocator(7)
-    p = a.allocate(6)
-    a.free([p[1], p[3], p[5]])
-    old = a.tags.copy()
-    a.reclaim([p[3]])
-    assert a.free_pages() == [p[1], p[5]] and a.refcount[p[3]] == 1 and a.tags[p[3]] > old.max()
-    with pytest.raises(Exception, match="distinct free pages"):
-        a.reclaim([p[0]])
-    a.check_invariants()
 
 
 def test_pending_tag_updates_last_write_wins():
