@@ -19,6 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve import planner
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 import phaseserve as ps
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve.serving import ModelSpec, Router, ServerSpec
 
 

@@ -10,6 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve.eval.demo import default_model_path
 from phaseserve.eval.quality import run
 

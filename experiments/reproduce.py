@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve.bench import reproduce, setup_jax
 
 

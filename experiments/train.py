@@ -11,6 +11,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve.train import TrainConfig, train
 
 

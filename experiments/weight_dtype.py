@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve.bench import setup_jax, weight_dtype
 
 
