@@ -1,4 +1,4 @@
-"""Synthetic function-calling data: tool schemas, a JSON Schema validator for the subset they use, a seeded
+"""Synthetic function-calling data: tool schemas and their validation (``jsonschema``), a seeded
 generator of (request in words, expected tool call) pairs with a fixed held-out split, and the parser that
 reads a tool call back out of generated tokens.
 
@@ -14,9 +14,9 @@ it has to copy the argument out of the request, which is what exact match measur
 Split: a request belongs to the held-out set when the SHA-1 of its text is 0 mod 10 (about 10% of all
 requests), so a held-out request never occurs in training and the split needs no stored list.
 
-Validator subset (:func:`validate`): ``type`` (object, string, number, integer, boolean), ``properties``,
-``required``, ``additionalProperties: false``, ``enum``, ``minimum`` / ``maximum``, ``minLength`` and
-``pattern`` (``re.fullmatch``). ``jsonschema`` is not a dependency.
+Validation (:func:`validate`, :func:`validate_call`) is the ``jsonschema`` library (JSON Schema draft 2020-12):
+the whole specification, not a hand-written subset. Patterns are anchored at both ends in the schemas, because
+JSON Schema's ``pattern`` matches anywhere in the string; an invalid schema raises ``jsonschema.SchemaError``.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jsonschema import Draft202012Validator
+
 from phaseserve.data.tokenizer import ByteTokenizer
 
-_EMAIL = r"[a-z][a-z0-9.]*@[a-z]+\.(com|org|net)"
+_EMAIL = r"^[a-z][a-z0-9.]*@[a-z]+\.(com|org|net)(?![\s\S])"  # anchored at both ends ($ would allow a final \n)
 _CURRENCIES = {"USD": "dollars", "EUR": "euros", "GBP": "pounds", "JPY": "yen", "CHF": "swiss francs",
                "CAD": "canadian dollars", "INR": "rupees", "CNY": "yuan", "SEK": "swedish kronor", "MXN": "pesos"}
 
@@ -59,50 +60,11 @@ TOOLS: dict[str, dict] = {
 
 
 # ---- validation ---------------------------------------------------------------------------------------
-def _type_ok(value: Any, kind: str) -> bool:
-    if kind == "object":
-        return isinstance(value, dict)
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if kind == "integer":  # JSON Schema: a number with zero fractional part
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer())
-    raise ValueError(f"schema type {kind!r} is outside the supported subset")
-
-
 def validate(value: Any, schema: dict, path: str = "$") -> list[str]:
-    """Errors of ``value`` against ``schema`` (the subset in the module docstring); empty when valid."""
-    errors: list[str] = []
-    kind = schema.get("type")
-    if kind is not None and not _type_ok(value, kind):
-        return [f"{path}: expected {kind}, got {type(value).__name__}"]
-    if "enum" in schema and value not in schema["enum"]:
-        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            errors.append(f"{path}: {value} < minimum {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            errors.append(f"{path}: {value} > maximum {schema['maximum']}")
-    if isinstance(value, str):
-        if len(value) < schema.get("minLength", 0):
-            errors.append(f"{path}: shorter than {schema['minLength']}")
-        if "pattern" in schema and not re.fullmatch(schema["pattern"], value):
-            errors.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                errors.append(f"{path}: missing required {key!r}")
-        for key, item in value.items():
-            if key in props:
-                errors.extend(validate(item, props[key], f"{path}.{key}"))
-            elif schema.get("additionalProperties", True) is False:
-                errors.append(f"{path}: unexpected property {key!r}")
-    return errors
+    """Errors of ``value`` against the JSON Schema ``schema`` (``"<json path>: <message>"``); empty when valid."""
+    Draft202012Validator.check_schema(schema)
+    errors = sorted(Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))
+    return [f"{path}{e.json_path[1:]}: {e.message}" for e in errors]
 
 
 def validate_call(call: Any, tools: dict[str, dict] = TOOLS) -> list[str]:

@@ -8,6 +8,7 @@ import copy
 import json
 import random
 
+import jsonschema
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -201,7 +202,7 @@ def test_validator_integer_rules(args, ok):
 
 @pytest.mark.parametrize("value, ok", [
     ("bob@example.com", True), ("li.wei@mail.org", True), ("Bob@example.com", False), ("bob@example", False),
-    ("bob example.com", False), ("", False),
+    ("bob example.com", False), ("", False), ("bob@example.com\n", False), ("x bob@example.com", False),
 ])
 def test_validator_pattern(value, ok):
     call = {"name": "send_email", "arguments": {"to": value, "subject": "hi"}}
@@ -214,8 +215,31 @@ def test_validator_enum_number_and_unsupported_type():
     assert validate({"amount": -1, "from": "USD", "to": "EUR"}, schema)
     assert validate({"amount": 3, "from": "usd", "to": "EUR"}, schema)
     assert validate({"amount": "3", "from": "USD", "to": "EUR"}, schema)
-    with pytest.raises(ValueError, match="subset"):
-        validate([], {"type": "array"})
+    with pytest.raises(jsonschema.SchemaError):
+        validate([], {"type": "arrayy"})
+
+
+def test_validator_refuses_what_a_keyword_subset_would_miss():
+    """The old hand-written subset ignored keywords it did not know (maxLength, exclusiveMinimum, const, items,
+    anyOf, ...), so a call breaking them passed as valid; jsonschema applies the whole specification."""
+    rng = random.Random(int(np.random.SeedSequence().entropy % 2**31))
+    tools = copy.deepcopy(TOOLS)
+    tools["send_email"]["properties"]["subject"]["maxLength"] = 20
+    tools["convert_currency"]["properties"]["amount"]["exclusiveMinimum"] = 0
+    tools["search_web"]["properties"]["tags"] = {"type": "array", "items": {"type": "string"}, "maxItems": 3}
+    subject = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(21, 60)))
+    bad = [{"name": "send_email", "arguments": {"to": "bob@example.com", "subject": subject}},
+           {"name": "convert_currency", "arguments": {"amount": 0, "from": "USD", "to": "EUR"}},
+           {"name": "search_web", "arguments": {"query": "jax", "tags": ["a", rng.randint(0, 9)]}},
+           {"name": "search_web", "arguments": {"query": "jax", "tags": ["a", "b", "c", "d"]}}]
+    for call in bad:
+        errors = validate_call(call, tools)
+        assert errors and all(e.startswith("$.arguments") for e in errors), (call, errors)
+    good = [{"name": "send_email", "arguments": {"to": "bob@example.com", "subject": subject[:20]}},
+            {"name": "convert_currency", "arguments": {"amount": 0.5, "from": "USD", "to": "EUR"}},
+            {"name": "search_web", "arguments": {"query": "jax", "tags": ["a", "b", "c"]}}]
+    for call in good:
+        assert validate_call(call, tools) == [], call
 
 
 def test_parse_call_errors():
