@@ -3,10 +3,9 @@
     python experiments/capacity.py                                   # the tables in benchmarks/capacity/README.md
     python experiments/capacity.py gpus=[h200,b200] +assumptions.reserve_gib=8
 
-Prints the markdown and writes ``capacity.json`` and ``capacity.md`` into the Hydra run directory: published
-capacity figures vs the planner, capacity and admitted concurrency per model x weights x KV, roofline decode
-tok/s vs concurrency, roofline prefill, published throughput beside the roofline, KV tokens by hardware, the
-hardware specs and every assumption used. All logic lives in ``phaseserve.planner.capacity_report``.
+Writes ``capacity.json``, ``capacity.md`` and ``kv_tokens.png`` (resident KV tokens per configuration, the ones
+that do not fit marked) into the Hydra run directory, then prints the verdict lines and the directory. All logic
+lives in ``phaseserve.planner`` (``capacity_report``, ``capacity_verdicts``).
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve import planner
+from phaseserve.bench.report import kv_tokens_plot
 
 
 @hydra.main(config_path="../configs", config_name="capacity", version_base=None)
@@ -32,13 +31,16 @@ def main(cfg: DictConfig) -> None:
         **(c["assumptions"] or {}))
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "capacity.json").write_text(json.dumps({"config": c, **data}, indent=1))
+    kv_tokens_plot(out / "kv_tokens.png", data["capacity"], title="Resident KV tokens per configuration")
+    md += "\n![resident KV tokens per configuration](kv_tokens.png)\n"
     (out / "capacity.md").write_text(md)
     if c.get("write_to"):
         path = Path(hydra.utils.get_original_cwd()) / c["write_to"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(md)
-    print(md)
-    print(f"written to {os.path.relpath(out)}")
+    for line in planner.capacity_verdicts(data):
+        print(line)
+    print(f"run directory: {os.path.relpath(out)}")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,10 @@ Nothing here is downloaded: the dicts are transcribed (abridged to the keys phas
 - ``qwen3-30b-a3b``: Qwen/Qwen3-30B-A3B ``config.json``.
 - ``moonlight-16b-a3b``: moonshotai/Moonlight-16B-A3B ``config.json`` (Kimi's architecture at one-GPU size).
 
-Published checkpoint sizes (:data:`PUBLISHED`) are in GiB (2**30 bytes), each with its source and what it
-counts. GLM-5's figures are the ones the project's design targets (GLM-5-FP8 ~705, the INT4 variant with
-routed experts INT4 group-32 + BF16 scales and the rest BF16 ~421). Kimi K2.6's is ~595 GB (decimal) as
-reported for the moonshotai/Kimi-K2.6 files (int4 experts + bf16 rest; unsloth's K2.6 page lists the
-lossless re-encoding at 595 GB and a K2.6 derivative card gives the original as ~555 GB), i.e. ~554 GiB.
+Published checkpoint sizes (:data:`PUBLISHED`) are entries of the one registry, :mod:`phaseserve.figures` (values,
+units and sources there), read under its one GB rule: a published "GB" is GiB. GLM-5's FP8 (705) and INT4 (421)
+sizes fit that reading; Kimi K2.6's 595 GB and GLM-5.2 BF16's 1507 GB fit only the decimal one, which
+:func:`phaseserve.figures.reading_note` reports instead of re-reading them.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from phaseserve import figures
 from phaseserve.config import ModelConfig
 
 _KIMI_TEXT = {
@@ -149,19 +149,28 @@ MTP_EMBEDDING_COPIES: dict[str, bool] = {"deepseek-v3": True, "glm-5": False, "g
 
 @dataclass(frozen=True)
 class Published:
-    """A published checkpoint size (GiB) and what it counts."""
+    """A published checkpoint size: a :mod:`phaseserve.figures` entry, in GiB under the GB rule."""
 
-    gib: float
-    source: str
+    figure: str  # id in phaseserve.figures
+
+    @property
+    def gib(self) -> float:
+        return figures.gib(self.figure)
+
+    @property
+    def source(self) -> str:
+        return figures.figure(self.figure).source
+
+    def reading_note(self, counted_gib: float) -> str:
+        """'' if the count fits the GB rule; else which reading of "GB" the figure fits."""
+        return figures.reading_note(self.figure, counted_gib)
 
 
 PUBLISHED: dict[tuple[str, str], Published] = {
-    ("glm-5", "glm-fp8"): Published(705.0, "GLM-5-FP8: design target (DESIGN.md) ~705; 753.9B stored values"),
-    ("glm-5", "kimi-int4"): Published(421.0, "GLM-5 INT4 (routed experts int4 g32 + bf16 scales, rest bf16) ~421"),
-    ("glm-5", "bfloat16"): Published(1507e9 / 2**30, "cross-check: 'GLM-5.2 BF16 (1507 GB)' in a GLM-5.2-NVFP4 model "
-                                                      "card; GLM-5.2 has GLM-5's glm_moe_dsa shapes"),
-    ("kimi-k2.6", "kimi-int4"): Published(554.0, "moonshotai/Kimi-K2.6 files ~595 GB = ~554 GiB (incl. ~0.9 GB "
-                                                 "vision tower not modelled here)"),
+    ("glm-5", "glm-fp8"): Published("glm5.checkpoint.fp8"),
+    ("glm-5", "kimi-int4"): Published("glm5.checkpoint.int4"),
+    ("glm-5", "bfloat16"): Published("glm52.checkpoint.bf16"),
+    ("kimi-k2.6", "kimi-int4"): Published("kimi.checkpoint"),
 }
 
 

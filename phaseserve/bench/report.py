@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from phaseserve.markdown import fmt, table
+
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, dict):
@@ -51,26 +53,6 @@ def write_config(out_dir: Path, cfg: DictConfig) -> Path:
     return path
 
 
-def fmt(x: Any, digits: int = 3) -> str:
-    """Compact number formatting for tables (3 significant digits; integers as is)."""
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, (int, np.integer)):
-        return str(int(x))
-    if isinstance(x, (float, np.floating)):
-        if not math.isfinite(x):
-            return "–"
-        if x == 0:
-            return "0"
-        mag = math.floor(math.log10(abs(x)))
-        if mag >= digits:
-            return f"{x:,.0f}"
-        return f"{x:.{max(digits - 1 - mag, 0)}f}"
-    return str(x)
-
-
 def pct(ratio: float | None, digits: int = 1) -> str:
     """A ratio as a signed percentage change (1.41 -> '+41.0%')."""
     if ratio is None:
@@ -79,7 +61,7 @@ def pct(ratio: float | None, digits: int = 1) -> str:
 
 
 def spread(st: dict, unit: str = "") -> str:
-    """``median [min, max]`` of a stats dict."""
+    """``median [min, max]`` of a stats dict (the median alone for one value)."""
     if not st or st.get("median") is None:
         return "–"
     if st.get("n", 0) <= 1:
@@ -97,11 +79,8 @@ def pct_spread(st: dict) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table; cells are formatted with :func:`fmt` unless already strings."""
-    cells = [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in cells]
-    return "\n".join(lines)
+    """:func:`phaseserve.markdown.table` with the headers first (the one writer; cells through :func:`fmt`)."""
+    return table(rows, headers)
 
 
 def environment_section(env: dict) -> str:
@@ -217,4 +196,33 @@ def write_outputs(out_dir: Path, cfg: DictConfig, results: dict, markdown: str) 
 
 def _write_text(path: Path, text: str) -> Path:
     path.write_text(text.rstrip() + "\n")
+    return path
+
+
+def kv_tokens_plot(path: Path, rows: list[dict], *, title: str) -> Path:
+    """Resident KV tokens per configuration (``rows`` of the capacity table: model, gpu, weights, kv, kv_tokens,
+    fits) as horizontal bars; configurations that do not fit are marked with an x at 0 and labelled."""
+    plt = _pyplot()
+    labels = [f"{r['model']} {r['gpu']} {r['weights']} w / {r['kv']} KV" for r in rows]
+    fig, ax = plt.subplots(figsize=(7.6, 0.32 * len(rows) + 1.4), dpi=110)
+    ys = np.arange(len(rows))
+    fit = [i for i, r in enumerate(rows) if r["fits"]]
+    miss = [i for i, r in enumerate(rows) if not r["fits"]]
+    if fit:
+        ax.barh(ys[fit], [rows[i]["kv_tokens"] for i in fit], color="tab:blue", label="fits: resident KV tokens")
+    if miss:
+        ax.scatter([0] * len(miss), ys[miss], marker="x", color="tab:red", zorder=3,
+                   label="does not fit (weights exceed the memory budget)")
+        for i in miss:
+            ax.text(0, ys[i], "  does not fit", va="center", fontsize=7, color="tab:red")
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("resident KV tokens per replica")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
     return path
