@@ -94,8 +94,8 @@ class Engine:
         self.num_pages = num_pages
         self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
         self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption)
-        self.max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
-        self.limits = Limits(cfg.vocab_size, self.max_context, c.page_size, min(num_pages - 1, c.max_pages_per_seq))
+        self.limits = Limits.of(cfg, serve, num_pages)
+        self.max_context = self.limits.max_context
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
         self.outputs: dict[str, RequestOutput] = {}  # this run's outputs by id (an id may be reused once finished)

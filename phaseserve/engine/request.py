@@ -126,6 +126,15 @@ class Limits:
     max_pages: int  # pages one request may ever hold: min(allocatable cache pages, max_pages_per_seq)
     staging_pages: int | None = None  # multi-process: the prefill server's staging capacity in pages
 
+    @classmethod
+    def of(cls, cfg: Any, serve: Any, num_pages: int | None = None, staging_pages: int | None = None) -> Limits:
+        """The limits of a ``ModelConfig`` + ``ServeConfig`` deployment whose decode pool has ``num_pages`` pages
+        (None: unknown here, only ``max_pages_per_seq`` bounds a request)."""
+        c = serve.cache
+        max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
+        max_pages = c.max_pages_per_seq if num_pages is None else min(num_pages - 1, c.max_pages_per_seq)
+        return cls(cfg.vocab_size, max_context, c.page_size, max_pages, staging_pages)
+
 
 def pages_ever(prompt_len: int, max_tokens: int, page_size: int) -> int:
     """Pages a request can ever need: positions 0 .. prompt + max_tokens - 2 are written (the last sampled token is

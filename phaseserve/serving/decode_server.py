@@ -15,8 +15,15 @@ cannot be reissued to another request while a write into them is still possible.
 release is logged with a timestamp (``events``) so tests can check that order from outside the process.
 
 Failures end only the affected request: a refusal -> :class:`StaleDescriptorError`, a missed deadline (slow or
-dead prefill peer) -> :class:`TransferTimeoutError`, a cancel -> ``CancelledError``, an integrity failure in the
-decode step -> ``KVIntegrityError`` (as in the engine). The decode round is the engine's ``DecodeWorker.step``:
+dead prefill peer) -> :class:`TransferTimeoutError`, pulled buffers that carry an error (the prefill peer died
+mid-pull) or a landing that raises -> :class:`TransferError` (all ``"aborted"``), a cancel -> ``CancelledError``,
+an integrity failure in the decode step -> ``KVIntegrityError`` (as in the engine). A request is validated on
+arrival with the engine's ``validate`` and its descriptor is checked against it and this server's cache (request
+id, staged length = prompt length, page size, KV dtype, leaf count, shapes and dtypes): a mismatch ends it with
+``StaleDescriptorError(kind="mismatch")`` before any page is allocated. Containment: a control message that raises
+ends the request it names (``BadMessageError``); a decode step that raises ends that step's requests with
+``"error"``; if it consumed the page pool, the pool is rebuilt. Nothing a request or a message does ends the
+process. The decode round is the engine's ``DecodeWorker.step``:
 integrity check as a separate jitted launch, one jitted step for the whole running batch, then host bookkeeping.
 """
 
@@ -32,14 +39,25 @@ import numpy as np
 
 from phaseserve.cache.paged import is_scaled
 from phaseserve.config import canonical_dtype
-from phaseserve.engine.request import CancelledError, InvalidParameterError, Request, RequestOutput
+from phaseserve.engine.request import (
+    CancelledError,
+    Limits,
+    Request,
+    RequestError,
+    RequestOutput,
+    pages_ever,
+    validate,
+)
 from phaseserve.engine.scheduler import Sequence
-from phaseserve.engine.workers import DecodeWorker, stop_reason
+from phaseserve.engine.workers import DecodeWorker, cache_pages, stop_reason
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.serving.protocol import (
+    BadMessageError,
     ServerSpec,
+    StaleDescriptorError,
     TransferDescriptor,
+    TransferError,
     TransferTimeoutError,
     error_tuple,
     exit_child,
@@ -59,9 +77,9 @@ class DecodeServer:
         self.mesh = make_mesh(devices, tp=m.decode_tp, ep=m.decode_ep)
         self.params = shard_params(self.cfg, quantize_params(params, phase_policy(serve.quant, "decode")), self.mesh)
         self.kv_dtype = canonical_dtype(serve.quant.kv_dtype)
-        if c.num_pages is None:
-            raise ValueError("the decode server needs CacheConfig.num_pages")
-        self.worker = DecodeWorker(self.cfg, self.params, self.mesh, kv_dtype=self.kv_dtype, num_pages=c.num_pages,
+        num_pages = cache_pages(self.cfg, c, self.kv_dtype, devices[0])
+        self.limits = Limits.of(self.cfg, serve, num_pages)
+        self.worker = DecodeWorker(self.cfg, self.params, self.mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,
                                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
                                    integrity=c.integrity)
         self.allocator, self.tables, self.tracker = self.worker.allocator, self.worker.tables, self.worker.tracker
@@ -73,12 +91,16 @@ class DecodeServer:
         scaled = is_scaled(self.kv_dtype)
         self._kv_tree = jax.tree.structure([[(0, 0 if scaled else None) for _ in range(parts)]
                                             for _ in range(self.cfg.num_layers)])
+        # the dtype of each flat leaf of a request's KV (per layer and part: values, then the FP8 scale)
+        self._leaf_dtypes = [d for _ in range(self.cfg.num_layers * parts)
+                             for d in ([self.kv_dtype, "float32"] if scaled else [self.kv_dtype])]
         self.waiting: deque[tuple[Sequence, TransferDescriptor]] = deque()
         self.pulls: dict[str, tuple[Sequence, PendingPull]] = {}
         self.running: list[Sequence] = []
         self.events: list[tuple[float, str, str, tuple[int, ...]]] = []  # (time, kind, rid, pages)
         self.stats = dict(decode_steps=0, decode_tokens=0, decode_time=0.0, transfers=0, transfer_time=0.0,
-                          bytes_pulled=0, valid_kv_tokens=0, aborts=0, timeouts=0, refusals=0, cancels=0)
+                          bytes_pulled=0, valid_kv_tokens=0, aborts=0, timeouts=0, refusals=0, cancels=0,
+                          transfer_errors=0, errors=0, bad_messages=0)
         self._out: list[tuple[str, int]] = []
         self.alive = True
 
@@ -86,6 +108,30 @@ class DecodeServer:
     def pool(self):
         """The decode page pool (device pytree), owned by the worker."""
         return self.worker.pool
+
+    def check_descriptor(self, req: Request, desc: Any) -> None:
+        """Raise ``StaleDescriptorError(kind="mismatch")`` unless ``desc`` can describe ``req``'s prompt KV for this
+        server's cache (checked before any page is allocated; the prefill side checks it against what it staged)."""
+        def bad(why: str):
+            return StaleDescriptorError(f"descriptor for {req.id!r} refused by the decode server: {why}", "mismatch")
+
+        if not isinstance(desc, TransferDescriptor):
+            raise bad(f"not a TransferDescriptor: {type(desc).__name__}")
+        if desc.request_id != req.id:
+            raise bad(f"it names request {desc.request_id!r:.60}")
+        if desc.length != len(req.prompt):
+            raise bad(f"staged length {desc.length!r:.20} != prompt length {len(req.prompt)}")
+        if desc.page_size != self.page_size or desc.kv_dtype != self.kv_dtype:
+            raise bad(f"page size / KV dtype {desc.page_size!r:.20}/{desc.kv_dtype!r:.30} != "
+                      f"{self.page_size}/{self.kv_dtype}")
+        t = len(desc.pages) * self.page_size if isinstance(desc.pages, tuple) else -1
+        if t != -(-len(req.prompt) // self.page_size) * self.page_size:
+            raise bad(f"{desc.pages!r:.60} staging pages cannot hold exactly the prompt's pages")
+        leaves = desc.leaves if isinstance(desc.leaves, tuple) else ()
+        if [d for _, d in leaves] != self._leaf_dtypes or any(
+                not isinstance(shape, tuple) or not shape or shape[0] != t or not all(type(n) is int for n in shape)
+                for shape, _ in leaves):
+            raise bad("leaf count, shapes or dtypes do not match this cache")
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _log(self, kind: str, rid: str, pages=()) -> None:
@@ -112,10 +158,33 @@ class DecodeServer:
             self._out = []
 
     # ---- messages -----------------------------------------------------------------------------------------
-    def handle(self, msg: tuple) -> None:
+    def handle(self, msg: Any) -> None:
+        """Apply one control message; one that raises ends the request it names with the error."""
+        try:
+            self._handle(msg)
+        except Exception as e:
+            self.stats["bad_messages"] += 1
+            rid = msg[1] if isinstance(msg, tuple) and len(msg) > 1 else None
+            rid = getattr(rid, "id", rid)
+            if not isinstance(e, RequestError | StaleDescriptorError):
+                e = BadMessageError(f"bad {str(msg)[:80]}: {e!r:.200}")
+            if isinstance(rid, str) and not self._known(rid):
+                self._flush()
+                self.router_q.put(("finished", rid, "error", error_tuple(e)))
+
+    def _known(self, rid: str) -> bool:
+        return (rid in self.pulls or any(s.id == rid for s in self.running)
+                or any(s.id == rid for s, _ in self.waiting))
+
+    def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "kv_ready":
-            req, first, desc = msg[1], msg[2], msg[3]
+            req, first, desc = validate(msg[1], self.limits), msg[2], msg[3]
+            if self._known(req.id):
+                raise BadMessageError(f"request {req.id!r} is already here")
+            if type(first) is not int or not 0 <= first < self.cfg.vocab_size:
+                raise BadMessageError(f"first token {first!r:.30} of {req.id!r} is not a token id")
+            self.check_descriptor(req, desc)
             seq = Sequence(request=req, output=RequestOutput(id=req.id), tokens=list(req.prompt) + [first],
                            num_prompt=len(req.prompt))
             self.waiting.append((seq, desc))
@@ -127,6 +196,8 @@ class DecodeServer:
             self.router_q.put(("stats", "decode", self.snapshot()))
         elif kind == "shutdown":
             self.alive = False
+        else:
+            raise BadMessageError(f"unknown message kind {kind!r:.40}")
 
     def _cancel(self, rid: str) -> None:
         self.stats["cancels"] += 1
@@ -143,7 +214,7 @@ class DecodeServer:
                 return self._finish(seq, "aborted", CancelledError(f"request {rid!r} was cancelled"))
 
     def _on_grant(self, rid: str, uuid: int, err: Exception | None) -> None:
-        item = self.pulls.get(rid)
+        item = self.pulls.get(rid) if isinstance(rid, str) else None
         if item is None or item[1].descriptor.uuid != uuid or item[1].state != "requested":
             return  # a late reply for a transfer already abandoned
         seq, pull = item
@@ -153,7 +224,13 @@ class DecodeServer:
             self._log("refused", rid)
             self._finish(seq, "aborted", CancelledError(f"request {rid!r} was cancelled") if pull.cancelled else err)
             return
-        pull.arrays = self.puller.pull(pull.descriptor)
+        try:
+            pull.arrays = self.puller.pull(pull.descriptor)
+        except Exception as e:  # nothing was armed for us, or the peer is gone: nothing can land
+            del self.pulls[rid]
+            self.stats["transfer_errors"] += 1
+            self._finish(seq, "aborted", TransferError(f"pull of {rid!r} failed: {e!r:.200}"))
+            return
         pull.state = "pulling"
 
     # ---- admission and transfers --------------------------------------------------------------------------
@@ -161,11 +238,7 @@ class DecodeServer:
         while self.waiting and len(self.running) + len(self.pulls) < self.max_batch:
             seq, desc = self.waiting[0]
             req = seq.request
-            need = -(-(len(req.prompt) + max(req.max_tokens, 2) - 1) // self.page_size)
-            if need > min(self.allocator.num_pages - 1, self.tables.max_pages):
-                self.waiting.popleft()
-                self._finish(seq, "error", InvalidParameterError(f"request {req.id!r} needs {need} pages"))
-                continue
+            need = pages_ever(len(req.prompt), req.max_tokens, self.page_size)  # validate() bounds it by the cache
             if self.allocator.num_free < need:
                 return
             self.waiting.popleft()
@@ -183,7 +256,11 @@ class DecodeServer:
         now = time.monotonic()
         for rid in list(self.pulls):
             seq, pull = self.pulls[rid]
-            if pull.state == "pulling" and pull.ready():
+            try:
+                ready = pull.state == "pulling" and pull.ready()
+            except Exception:  # an errored buffer: let _land turn it into this request's TransferError
+                ready = True
+            if ready:
                 del self.pulls[rid]
                 self._land(seq, pull)
             elif pull.expired(now):  # abandoned: its buffers (if any) are never scattered, so pages are free to go
@@ -202,21 +279,44 @@ class DecodeServer:
         self.stats["transfer_time"] += time.monotonic() - pull.started
         self.stats["bytes_pulled"] += desc.nbytes
         self.stats["valid_kv_tokens"] += desc.length
-        self.worker.land([seq.id], self._kvq(pull.arrays), np.asarray([desc.length], np.int32),
-                         np.zeros(1, np.int32))
-        jax.block_until_ready(self.worker.pool)  # the write has landed before anything else may touch these pages
+        self.router_q.put(("release", desc.uuid))  # landed or failed: the prefill side may free its staging now
+        try:
+            jax.block_until_ready(pull.arrays)  # raises if the pull errored (e.g. the prefill peer died mid-pull)
+            length = len(seq.request.prompt)  # the staged length (both sides checked the descriptor against it)
+            self.worker.land([seq.id], self._kvq(pull.arrays), np.asarray([length], np.int32), np.zeros(1, np.int32))
+            jax.block_until_ready(self.worker.pool)  # the write has landed before anything may touch these pages
+        except Exception as e:
+            self.stats["transfer_errors"] += 1
+            self._log("transfer_error", seq.id)
+            err = TransferError(f"KV transfer of {seq.id!r} failed: {e!r:.300}")
+            self._finish(seq, "aborted", err)
+            self._check_pool(err)
+            return
         self._log("landed", seq.id)
-        self.router_q.put(("release", desc.uuid))
         if pull.cancelled:
             self._finish(seq, "aborted", CancelledError(f"request {seq.id!r} was cancelled"))
         else:
             self.running.append(seq)
 
     # ---- decode -------------------------------------------------------------------------------------------
+    def _check_pool(self, err: Exception) -> None:
+        """After a device call raised: if it consumed the donated pool, end every running request and rebuild."""
+        if not self.worker.pool_ok():
+            for s in list(self.running):
+                self._finish(s, "error", err)
+            self.worker.reset_pool()
+
     def decode(self) -> None:
         t0 = time.perf_counter()
         rows = list(self.running)
-        nxt, failures, _ = self.worker.step(rows)  # nonfinite rows' pages are scrubbed before it returns
+        try:
+            nxt, failures, _ = self.worker.step(rows)  # nonfinite rows' pages are scrubbed before it returns
+        except Exception as e:  # not narrowed here: this step's requests end, the server goes on
+            self.stats["errors"] += len(rows)
+            for s in rows:
+                self._finish(s, "error", e)
+            self._check_pool(e)
+            return
         for i, s in enumerate(rows):
             err = failures.get(s.id)
             if err is not None:

@@ -11,6 +11,11 @@ representation (``QuantConfig.prefill_weights``). Its loop::
                      ->  free staged KV whose TTL passed (the decode side died or never asked)
 
 A request whose first token already finishes it (``max_tokens == 1`` or a stop token) is not staged at all.
+
+Containment: every prompt is checked on arrival with the engine's ``validate`` (the staging capacity included, so a
+prompt that could never be staged is refused, not re-prefilled forever); a prefill batch that raises is retried one
+request at a time; a request that still fails, and a control message that cannot be acted on, get
+``("failed", rid, error)`` back to the router. Nothing a request or a message does ends the process.
 Fault injection (``ServerSpec.faults``): ``arm_delay_s: {request_id: seconds}`` grants a pull at once but arms
 it only after the delay -- a slow wire, so a test can act while the transfer is in flight.
 """
@@ -25,12 +30,19 @@ import jax
 import jax.numpy as jnp
 
 from phaseserve.config import canonical_dtype
-from phaseserve.engine.request import Request, RequestOutput
+from phaseserve.engine.request import Limits, Request, RequestError, RequestOutput, validate
 from phaseserve.engine.scheduler import Sequence
 from phaseserve.engine.workers import PrefillWorker, stop_reason
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
-from phaseserve.serving.protocol import ServerSpec, StaleDescriptorError, TransferDescriptor, error_tuple, exit_child
+from phaseserve.serving.protocol import (
+    BadMessageError,
+    ServerSpec,
+    StaleDescriptorError,
+    TransferDescriptor,
+    error_tuple,
+    exit_child,
+)
 from phaseserve.serving.transfer import StagingArea, deadline_after, start_endpoint
 from phaseserve.sharding import make_mesh, shard_params
 
@@ -62,16 +74,33 @@ class PrefillServer:
         self.device = devices[0]
         self.endpoint = start_endpoint(spec.bind, self.device)
         self.staging = StagingArea(self.endpoint, spec.staging_pages, serve.cache.page_size, spec.staging_ttl_s)
+        self.limits = Limits.of(self.cfg, serve, staging_pages=spec.staging_pages)
         self.pending: list[Request] = []
         self.delayed: list[tuple[float, TransferDescriptor]] = []
-        self.stats = dict(prefill_batches=0, prefill_tokens=0, prefill_time=0.0, served=0, released=0)
+        self.stats = dict(prefill_batches=0, prefill_tokens=0, prefill_time=0.0, served=0, released=0, failed=0,
+                          bad_messages=0)
         self.running = True
 
     # ---- messages -------------------------------------------------------------------------------------------
-    def handle(self, msg: tuple) -> None:
+    def _fail(self, rid: Any, err: Exception) -> None:
+        self.stats["failed"] += 1
+        if isinstance(rid, str):
+            self.router_q.put(("failed", rid, error_tuple(err)))
+
+    def handle(self, msg: Any) -> None:
+        """Apply one control message; one that raises is answered ``failed`` for the request it names."""
+        try:
+            self._handle(msg)
+        except Exception as e:
+            self.stats["bad_messages"] += 1
+            rid = msg[1] if isinstance(msg, tuple) and len(msg) > 1 else None
+            rid = getattr(rid, "id", rid)
+            self._fail(rid, e if isinstance(e, RequestError) else BadMessageError(f"bad {str(msg)[:80]}: {e!r:.200}"))
+
+    def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "prompt":
-            self.pending.append(msg[1])
+            self.pending.append(validate(msg[1], self.limits))
         elif kind == "serve":
             self._serve(msg[1], msg[2])
         elif kind == "release":
@@ -80,10 +109,12 @@ class PrefillServer:
             self.router_q.put(("stats", "prefill", self.snapshot()))
         elif kind == "shutdown":
             self.running = False
+        else:
+            raise BadMessageError(f"unknown message kind {kind!r:.40}")
 
     def _serve(self, rid: str, desc: TransferDescriptor) -> None:
         """A pull request from the decode side for its request ``rid``: verify, arm, reply (to ``rid``)."""
-        delay = self.spec.faults.get("arm_delay_s", {}).get(desc.request_id)
+        delay = self.spec.faults.get("arm_delay_s", {}).get(getattr(desc, "request_id", None))
         try:
             if delay:
                 self.staging.verify(desc, rid).served = True  # granted now, armed later (a slow wire)
@@ -94,7 +125,7 @@ class PrefillServer:
             err = None
         except StaleDescriptorError as e:
             err = e
-        self.router_q.put(("serve_reply", rid, desc.uuid, error_tuple(err)))
+        self.router_q.put(("serve_reply", rid, getattr(desc, "uuid", None), error_tuple(err)))
 
     def _arm_delayed(self) -> None:
         now, keep = time.monotonic(), []
@@ -116,25 +147,39 @@ class PrefillServer:
     def prefill_pending(self) -> None:
         reqs, self.pending = self.pending, []
         t0 = time.perf_counter()
-        ps_ = self.spec.serve.cache.page_size
         seqs = [Sequence(request=r, output=RequestOutput(id=r.id), tokens=list(r.prompt), num_prompt=len(r.prompt))
                 for r in reqs]
         for group in self.worker.groups(seqs):  # the engine's grouping, so shapes and tokens match it
+            self._prefill_group(group)
+        self.stats["prefill_time"] += time.perf_counter() - t0
+
+    def _prefill_group(self, group: list[Sequence]) -> None:
+        """Prefill and stage one group; if it raises, each request again alone (only the failing ones fail)."""
+        try:
             first, kvq, lengths = self.worker.run(group)
-            self.stats["prefill_batches"] += 1
-            self.stats["prefill_tokens"] += int(lengths.sum())
-            for i, s in enumerate(group):
-                r, tok = s.request, int(first[i])
+        except Exception as e:
+            if len(group) == 1:
+                return self._fail(group[0].id, e)
+            for s in group:
+                self._prefill_group([s])
+            return
+        self.stats["prefill_batches"] += 1
+        self.stats["prefill_tokens"] += int(lengths.sum())
+        for i, s in enumerate(group):
+            r, tok = s.request, int(first[i])
+            try:
                 if stop_reason(r, tok, 1, self.cfg.eos_token_ids):
                     self.router_q.put(("prefilled", r.id, tok, None))
                     continue
-                leaves = request_kv(kvq, i, len(r.prompt), ps_, self.device)
+                leaves = request_kv(kvq, i, len(r.prompt), self.spec.serve.cache.page_size, self.device)
                 desc = self.staging.stage(r.id, leaves, len(r.prompt), self.kv_dtype)
-                if desc is None:  # staging full: prefill it again later (rare; capacity is a config choice)
-                    self.pending.append(r)
-                    continue
-                self.router_q.put(("prefilled", r.id, tok, desc))
-        self.stats["prefill_time"] += time.perf_counter() - t0
+            except Exception as e:
+                self._fail(r.id, e)
+                continue
+            if desc is None:  # staging full for now (validate() refused prompts it could never hold): retry later
+                self.pending.append(r)
+                continue
+            self.router_q.put(("prefilled", r.id, tok, desc))
 
     # ---- loop ---------------------------------------------------------------------------------------------
     def run(self) -> None:

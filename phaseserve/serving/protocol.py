@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from phaseserve.engine.request import CancelledError, RequestError
+from phaseserve.engine.request import RequestError
 
 
 # ---- typed errors ---------------------------------------------------------------------------------------
@@ -55,8 +55,20 @@ class PeerDeadError(ServingError):
     """The process that held the request (or its KV) died."""
 
 
-ERRORS = {c.__name__: c for c in (ServingError, StaleDescriptorError, TransferTimeoutError, PeerDeadError,
-                                  CancelledError, RequestError)}
+class TransferError(ServingError):
+    """A KV transfer failed: the pulled buffers carry an error (e.g. the prefill peer died mid-pull), or landing
+    them in the request's pages raised."""
+
+
+class BadMessageError(ServingError):
+    """A control message a server could not act on (malformed, wrong types, or naming an unknown request)."""
+
+
+def _subclasses(c: type) -> list[type]:
+    return [c] + [x for s in c.__subclasses__() for x in _subclasses(s)]
+
+
+ERRORS = {c.__name__: c for c in _subclasses(ServingError) + _subclasses(RequestError)}
 
 
 def error_tuple(err: BaseException | None) -> tuple[str, str, str] | None:

@@ -8,8 +8,13 @@ peer death is noticed::
 
     prefill dies  ->  requests still waiting for their prefill end with PeerDeadError
                       (those already at the decode side miss their grant deadline: TransferTimeoutError)
+                      (those already pulling get an errored pull: TransferError; the decode server lives on)
     decode dies   ->  requests handed to it end with PeerDeadError; the prefill side frees their staged KV
                       at its TTL; :meth:`restart` brings up a fresh decode server and serving goes on
+    either side   ->  :meth:`restart` brings up a fresh one and it serves the requests submitted after
+
+A request or control message that makes a server raise ends that request alone with ``("failed", rid, error)``
+(``finish_reason="error"``, the error's own class rebuilt here); no request can end a server process.
 
 Fault hooks for tests: ``tamper`` (``rid -> fn(descriptor) -> descriptor`` applied when a descriptor is forwarded)
 and :meth:`inject` (hand the decode side an arbitrary descriptor, e.g. a replay of a consumed one).
@@ -28,6 +33,7 @@ from phaseserve.config import ModelConfig
 from phaseserve.engine.request import (
     CancelledError,
     DuplicateRequestError,
+    Limits,
     Request,
     RequestError,
     RequestOutput,
@@ -54,8 +60,8 @@ class Router:
         self.ctx = mp.get_context("spawn")
         self.router_q = self.ctx.Queue()
         self.cfg = model_config(decode)
-        self.max_context = min(decode.serve.max_context or self.cfg.max_position_embeddings,
-                               decode.serve.cache.max_pages_per_seq * decode.serve.cache.page_size)
+        self.limits = Limits.of(self.cfg, decode.serve, decode.serve.cache.num_pages, prefill.staging_pages)
+        self.max_context = self.limits.max_context
         self.procs: dict[str, Any] = {}
         self.inboxes: dict[str, Any] = {}
         self.addresses: dict[str, str] = {}
@@ -124,12 +130,12 @@ class Router:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def submit(self, req: Request) -> RequestOutput:
-        out = RequestOutput(id=req.id)
+        out = RequestOutput(id=getattr(req, "id", None))
         out.metrics.arrival = time.perf_counter()
         try:
+            req = validate(req, self.limits)
             if req.id in self.outputs:
                 raise DuplicateRequestError(f"request id {req.id!r} is already in use")
-            validate(req, self.cfg.vocab_size, self.max_context)
         except RequestError as e:
             out.finish_reason, out.error = "error", e
             out.metrics.finished = time.perf_counter()
@@ -152,7 +158,7 @@ class Router:
         return out
 
     def cancel(self, rid: str) -> bool:
-        if self.state.get(rid) not in ("prefill", "decode"):
+        if not isinstance(rid, str) or self.state.get(rid) not in ("prefill", "decode"):
             return False
         if self.state[rid] == "decode":
             self.inboxes["decode"].put(("cancel", rid))
@@ -197,6 +203,9 @@ class Router:
                 out = self.outputs.get(rid)
                 if out is not None and out.finish_reason is None:
                     out.tokens.append(tok)
+        elif kind == "failed":  # the prefill side could not serve it (the error says why); nothing is staged
+            if msg[1] in self.outputs:
+                self._end(msg[1], "error", rebuild_error(msg[2]))
         elif kind == "finished":  # the decode side is done with the request, its transfer included
             rid, reason, err = msg[1], msg[2], rebuild_error(msg[3])
             self._release_staged(rid)

@@ -6,9 +6,10 @@ prompt's KV; the decode side *pulls* it into fresh buffers on its own devices an
 Prefill side, :class:`StagingArea`. Staged KV is accounted in pages of a :class:`~phaseserve.cache.allocator.
 PageAllocator` (capacity, leak counting, and above all *tags*: every staging allocation gets a fresh tag that is
 never reused while held). The descriptor names those pages and tags. When the decode side asks for a pull,
-:meth:`StagingArea.verify` checks, in order: the server incarnation, that the uuid is still staged, that the
-request id matches, that every page still carries the descriptor's tag with a live reference, and that the
-entry was not already served (a replay). Only then is ``await_pull`` armed. Entries are freed when the decode
+:meth:`StagingArea.verify` checks, in order: the server incarnation, that the uuid is still staged, that every
+other field (request id and the requester's id, address, pages, length, page size, KV dtype, leaf shapes and
+dtypes) equals what was staged, that every page still carries the descriptor's tag with a live reference, and that
+the entry was not already served (a replay). Only then is ``await_pull`` armed. Entries are freed when the decode
 side acknowledges the landed transfer (:meth:`release`) or when their TTL passes (a dead or slow peer);
 ``await_pull`` is armed with the same deadline, so the transfer server drops its reference too.
 
@@ -26,6 +27,7 @@ never scattered). A cancel during the transfer only marks the request; its pages
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -44,6 +46,14 @@ def start_endpoint(bind: str = "127.0.0.1", device: jax.Device | None = None) ->
     """One TransferServer for this process, listening on an ephemeral port of ``bind``."""
     client = (device or jax.local_devices()[0]).client
     return transfer.start_transfer_server(client, f"{bind}:0", [f"{bind}:0"])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Field equality that never raises (a forged field may be of any type)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
 
 def deadline_after(seconds: float):
@@ -104,21 +114,28 @@ class StagingArea:
         ``requester``: the request id the puller wants the KV for (must be the one it was staged for)."""
         def refuse(kind: str, why: str):
             self.refused[kind] = self.refused.get(kind, 0) + 1
-            return StaleDescriptorError(f"transfer of {desc.request_id!r} (uuid {desc.uuid}) refused: {why}", kind)
+            rid, uuid = getattr(desc, "request_id", None), getattr(desc, "uuid", None)
+            return StaleDescriptorError(f"transfer of {rid!r:.60} (uuid {uuid!r:.30}) refused: {why}", kind)
 
-        if desc.server_id != self.server_id:
+        if not isinstance(desc, TransferDescriptor):
+            raise refuse("mismatch", f"not a TransferDescriptor: {type(desc).__name__}")
+        if not _same(desc.server_id, self.server_id):
             raise refuse("wrong_server", "descriptor from another prefill server incarnation")
-        entry = self.entries.get(desc.uuid)
+        entry = self.entries.get(desc.uuid) if type(desc.uuid) is int else None
         if entry is None:
             raise refuse("unknown", "nothing staged under this uuid (already consumed, expired or never staged)")
         mine = entry.descriptor
-        if (mine.request_id != desc.request_id or (requester is not None and requester != mine.request_id)
-                or mine.pages != desc.pages or mine.leaves != desc.leaves):
-            raise refuse("mismatch", "descriptor does not describe the staged entry")
+        wrong = [f.name for f in dataclasses.fields(mine) if f.name != "tags"
+                 and not _same(getattr(mine, f.name), getattr(desc, f.name))]
+        if requester is not None and requester != mine.request_id:
+            wrong.append("requester")
+        if wrong:
+            raise refuse("mismatch", f"descriptor does not describe the staged entry (differs in {', '.join(wrong)})")
         pages = list(desc.pages)
         a = self.allocator
-        if not ((a.tags[pages] == np.asarray(desc.tags, np.uint32)).all() and (a.refcount[pages] > 0).all()):
-            raise refuse("stale_tag", f"staging page tags {a.tags[pages].tolist()} != descriptor {list(desc.tags)}")
+        if not (_same(desc.tags, mine.tags) and (a.tags[pages] == np.asarray(mine.tags, np.uint32)).all()
+                and (a.refcount[pages] > 0).all()):
+            raise refuse("stale_tag", f"staging page tags {a.tags[pages].tolist()} != descriptor {desc.tags!r:.80}")
         if entry.served:
             raise refuse("replayed", "this descriptor was already served")
         return entry

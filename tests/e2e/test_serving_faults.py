@@ -1,0 +1,148 @@
+"""Server-side inputs, in process (no child processes): transfer descriptors verified field by field on the prefill
+side (defect 4), and a decode server that survives any control message -- malformed, wrongly typed, forged
+descriptors, unknown requests -- ending only the request a message names, leaking no page (Hypothesis properties).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from phaseserve.engine import Request
+from phaseserve.serving import ModelSpec, ServerSpec, StaleDescriptorError, TransferDescriptor
+from phaseserve.serving.protocol import rebuild_error
+from phaseserve.serving.transfer import StagingArea, start_endpoint
+from tests.e2e.engine_utils import F32, make_checkpoint, serve_config
+
+FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=4),
+                st.binary(max_size=3), st.tuples(st.integers(0, 9)), st.lists(st.integers(0, 9), max_size=3))
+FIELDS = [f.name for f in dataclasses.fields(TransferDescriptor)]
+
+
+@pytest.fixture(scope="module")
+def staged():
+    staging = StagingArea(start_endpoint(), num_pages=8, page_size=4, ttl_s=600.0)
+    vals = jax.random.normal(jax.random.key(1), (8, 3)).astype(jnp.float8_e4m3fn)
+    leaves = [vals, jax.random.uniform(jax.random.key(2), (8,), jnp.float32)]
+    return staging, staging.stage("a", leaves, 7, "float8_e4m3fn"), staging.stage("b", leaves, 5, "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("field", ["length", "address", "kv_dtype", "page_size"])
+def test_each_descriptor_field_is_verified(staged, field):
+    """Defect 4: verify() ignored length, address, kv_dtype and page_size (a forged length gave wrong tokens)."""
+    staging, d, _ = staged
+    forged = {"length": d.length + 1, "address": "10.0.0.1:1", "kv_dtype": "bfloat16", "page_size": 8}[field]
+    with pytest.raises(StaleDescriptorError, match=field) as e:
+        staging.verify(d.replace(**{field: forged}))
+    assert e.value.kind == "mismatch"
+    assert staging.verify(d).descriptor == d
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(FIELDS), ANY, st.booleans())
+def test_property_no_altered_descriptor_is_honoured(staged, field, value, other):
+    staging, a, b = staged
+    genuine = b if other else a
+    forged = genuine.replace(**{field: value})
+    try:
+        same = forged == genuine
+    except Exception:
+        same = False
+    if same:
+        assert staging.verify(forged) is staging.entries[genuine.uuid]
+        return
+    with pytest.raises(StaleDescriptorError):
+        staging.verify(forged)
+    with pytest.raises(StaleDescriptorError):
+        staging.verify(genuine, requester=a.request_id if other else b.request_id)  # another request's KV
+
+
+@pytest.fixture(scope="module")
+def decode_server(tmp_path_factory):
+    from phaseserve.serving.decode_server import DecodeServer
+
+    path = tmp_path_factory.mktemp("llama")
+    _, cfg, _ = make_checkpoint("llama", path, seed=3)
+    spec = ServerSpec(model=ModelSpec(checkpoint=str(path)), serve=serve_config(quant=FP8_KV, num_pages=24),
+                      transfer_timeout_s=0.05)
+    out: queue.Queue = queue.Queue()
+    return DecodeServer(spec, queue.Queue(), out), out, cfg
+
+
+def _genuine(server, rid: str, n: int) -> tuple[Request, TransferDescriptor]:
+    """A request and a descriptor that pass every decode-side check (nothing is ever staged for it)."""
+    req = Request(id=rid, prompt=list(range(1, n + 1)), max_tokens=3)
+    pages = -(-n // server.page_size)
+    t = pages * server.page_size
+    leaves = tuple(((t, 1, server.cfg.kv_cache_width) if d != "float32" else (t, 1), d) for d in server._leaf_dtypes)
+    desc = TransferDescriptor(request_id=rid, uuid=7, address="127.0.0.1:1", server_id=3, pages=tuple(range(pages)),
+                              tags=(1,) * pages, length=n, page_size=server.page_size, kv_dtype=server.kv_dtype,
+                              leaves=leaves)
+    return req, desc
+
+
+def _messages(server):
+    req, desc = _genuine(server, "g", 6)
+    descs = st.one_of(ANY, st.sampled_from(FIELDS).flatmap(lambda f: ANY.map(lambda v: desc.replace(**{f: v}))))
+    reqs = st.one_of(ANY, st.just(req), st.builds(lambda p, m: req.replace(prompt=p, max_tokens=m), ANY, ANY))
+    return st.one_of(
+        ANY, st.tuples(), st.tuples(st.text(max_size=5)),
+        st.tuples(st.just("kv_ready"), reqs, st.one_of(st.integers(-1, 200), ANY), descs),
+        st.tuples(st.just("serve_reply"), ANY, ANY, st.one_of(ANY, st.tuples(ANY, ANY, ANY))),
+        st.tuples(st.just("cancel"), st.one_of(ANY, st.just("g"))), st.tuples(st.just("kv_ready")),
+        st.tuples(st.sampled_from(["tokens", "prompt", "release", "serve"]), ANY, ANY))
+
+
+def test_property_the_decode_server_survives_any_control_message(decode_server):
+    server, out, _ = decode_server
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(_messages(server), min_size=1, max_size=6))
+    def run(msgs):
+        for m in msgs:
+            server.handle(m)
+            server.admit()
+        time.sleep(0.06)  # every armed pull passes its (0.05 s) deadline: nothing can land without a prefill peer
+        server.poll_transfers()
+        assert not server.running and not server.pulls and not server.waiting
+        assert server.allocator.num_used == 0
+        server.tables.check_invariants()
+        while not out.empty():
+            m = out.get_nowait()
+            if m[0] == "finished":
+                assert m[2] in ("error", "aborted") and rebuild_error(m[3]) is not None
+
+    run()
+    assert server.alive and server.stats["bad_messages"] > 0
+
+
+def test_a_forged_length_or_shape_is_refused_before_any_page_is_allocated(decode_server):
+    server, out, _ = decode_server
+    while not out.empty():
+        out.get_nowait()
+    req, desc = _genuine(server, "f", 6)
+    for bad in (desc.replace(length=5), desc.replace(length=8), desc.replace(page_size=8),
+                desc.replace(leaves=desc.leaves[:-1]), desc.replace(kv_dtype="bfloat16"),
+                desc.replace(request_id="other")):
+        server.handle(("kv_ready", req, 3, bad))
+        msg = out.get_nowait()
+        assert msg[0] == "finished" and msg[1] == "f" and msg[2] == "error"
+        err = rebuild_error(msg[3])
+        assert isinstance(err, StaleDescriptorError) and err.kind == "mismatch"
+        assert server.allocator.num_used == 0 and not server.waiting
+    server.handle(("kv_ready", req, 3, desc))  # the genuine one is accepted
+    assert len(server.waiting) == 1
+    server.admit()
+    assert out.get_nowait()[0] == "serve" and server.allocator.num_used == 2
+    time.sleep(0.06)
+    server.poll_transfers()  # no grant ever comes: a typed timeout, pages back
+    assert server.allocator.num_used == 0 and np.all(server.allocator.refcount == 0)
