@@ -43,7 +43,6 @@ from phaseserve.engine.request import (
     CancelledError,
     Limits,
     Request,
-    RequestError,
     RequestOutput,
     pages_ever,
     validate,
@@ -59,6 +58,7 @@ from phaseserve.serving.protocol import (
     TransferDescriptor,
     TransferError,
     TransferTimeoutError,
+    bad_message,
     error_tuple,
     exit_child,
     rebuild_error,
@@ -164,13 +164,10 @@ class DecodeServer:
             self._handle(msg)
         except Exception as e:
             self.stats["bad_messages"] += 1
-            rid = msg[1] if isinstance(msg, tuple) and len(msg) > 1 else None
-            rid = getattr(rid, "id", rid)
-            if not isinstance(e, RequestError | StaleDescriptorError):
-                e = BadMessageError(f"bad {str(msg)[:80]}: {e!r:.200}")
-            if isinstance(rid, str) and not self._known(rid):
+            rid, err = bad_message(msg, e)
+            if rid is not None and not self._known(rid):
                 self._flush()
-                self.router_q.put(("finished", rid, "error", error_tuple(e)))
+                self.router_q.put(("finished", rid, "error", error_tuple(err)))
 
     def _known(self, rid: str) -> bool:
         return (rid in self.pulls or any(s.id == rid for s in self.running)

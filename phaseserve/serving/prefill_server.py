@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from phaseserve.config import canonical_dtype
-from phaseserve.engine.request import Limits, Request, RequestError, RequestOutput, validate
+from phaseserve.engine.request import Limits, Request, RequestOutput, validate
 from phaseserve.engine.scheduler import Sequence
 from phaseserve.engine.workers import PrefillWorker, stop_reason
 from phaseserve.quant.policy import phase_policy
@@ -40,6 +40,7 @@ from phaseserve.serving.protocol import (
     ServerSpec,
     StaleDescriptorError,
     TransferDescriptor,
+    bad_message,
     error_tuple,
     exit_child,
 )
@@ -93,9 +94,7 @@ class PrefillServer:
             self._handle(msg)
         except Exception as e:
             self.stats["bad_messages"] += 1
-            rid = msg[1] if isinstance(msg, tuple) and len(msg) > 1 else None
-            rid = getattr(rid, "id", rid)
-            self._fail(rid, e if isinstance(e, RequestError) else BadMessageError(f"bad {str(msg)[:80]}: {e!r:.200}"))
+            self._fail(*bad_message(msg, e))
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]

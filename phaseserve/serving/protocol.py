@@ -64,6 +64,16 @@ class BadMessageError(ServingError):
     """A control message a server could not act on (malformed, wrong types, or naming an unknown request)."""
 
 
+def bad_message(msg: Any, err: Exception) -> tuple[str | None, Exception]:
+    """A control message whose handling raised ``err``: the request id it names (None if none) and a typed error
+    for that request (``err`` itself when it is already a request or serving error)."""
+    rid = msg[1] if isinstance(msg, tuple) and len(msg) > 1 else None
+    rid = getattr(rid, "id", rid)
+    if not isinstance(err, RequestError | ServingError):
+        err = BadMessageError(f"bad message {str(msg)[:80]!r}: {err!r:.200}")
+    return (rid if isinstance(rid, str) else None), err
+
+
 def _subclasses(c: type) -> list[type]:
     return [c] + [x for s in c.__subclasses__() for x in _subclasses(s)]
 

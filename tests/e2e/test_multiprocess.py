@@ -167,6 +167,42 @@ def test_killed_decode_ends_its_requests_and_serving_goes_on(model):
         assert pre_s["staging_pages_in_use"] == 0 and pre_s["staged"] == 0 and dec_s["pages_in_use"] == 0
 
 
+def test_killed_prefill_mid_pull_ends_only_its_request_and_a_restart_serves(model):
+    """Defects 5 and 6, and containment in the servers: the prefill server dies while the victim's pull is in flight;
+    the victim ends with a typed transfer error, the bystander whose KV had landed finishes with its tokens, the
+    decode server lives on; a restarted prefill server serves; a malformed prompt or message sent straight to a
+    server ends nothing but itself; a prompt the staging area can never hold is refused at submission."""
+    from phaseserve.engine.request import PromptTooLongError
+    from phaseserve.serving.protocol import TransferError, TransferTimeoutError
+
+    path, ref = model
+    pre, dec = _specs(path, num_pages=64, faults={"arm_delay_s": {VICTIM.id: 60.0}})
+    pre = dataclasses.replace(pre, staging_pages=6, transfer_timeout_s=8.0)
+    dec = dataclasses.replace(dec, staging_pages=6, transfer_timeout_s=8.0)
+    with Router(pre, dec) as router:
+        too_long = router.submit(_req("huge", 30, 2, 1))  # 8 staging pages of 4 tokens: never fits in 6
+        assert too_long.finish_reason == "error" and isinstance(too_long.error, PromptTooLongError)
+        bystander = router.submit(LONG[0])
+        _poll_until(router, lambda: len(bystander.tokens) >= 2)  # its KV has landed; it is decoding
+        victim = router.submit(VICTIM)
+        _poll_until(router, lambda: ("serve_reply", VICTIM.id) in router.seen)  # granted, never armed: in flight
+        router.kill("prefill")
+        router.run(timeout_s=60)
+        assert victim.finish_reason == "aborted" and isinstance(victim.error, TransferError | TransferTimeoutError)
+        assert bystander.finish_reason == "length" and bystander.tokens == ref[LONG[0].id]
+        assert router.procs["decode"].is_alive() and "prefill" in router.dead
+        router.restart("prefill")
+        router.inboxes["prefill"].put(("prompt", Request(id="junk", prompt=[1, 2], seed=-1)))
+        router.inboxes["prefill"].put(("no such message", 1, 2))
+        router.inboxes["decode"].put(("kv_ready", "not a request", None, None))
+        after = router.generate(AFTER, timeout_s=120)
+        assert {o.id: o.tokens for o in after} == {r.id: ref[r.id] for r in AFTER}
+        assert router.procs["prefill"].is_alive() and router.procs["decode"].is_alive()
+        pre_s, dec_s = _drain(router)
+        assert pre_s["bad_messages"] >= 2 and dec_s["bad_messages"] >= 1
+        assert pre_s["staging_pages_in_use"] == 0 and dec_s["pages_in_use"] == 0
+
+
 def test_staging_area_checks_each_descriptor_field():
     from phaseserve.serving.transfer import Puller, StagingArea, start_endpoint
 
