@@ -4,10 +4,10 @@ shared expert and a dense first layer) on the byte-level mixture of :mod:`phases
 - :class:`TrainConfig` / :class:`ModelShape` — every knob (Hydra's ``configs/train.yaml`` mirrors them);
 - :func:`hf_config` — the Hugging Face ``config.json`` dict of the model; ``ModelConfig.from_hf_config`` of it is
   the config trained, so the exported checkpoint describes exactly what was trained;
-- :func:`train_forward` — the same function as ``ps.forward`` (a test checks it) with a dispatch that trains
-  fast on a CPU (where ``ragged_dot`` is slow): capacity-limited expert buffers (factor 2: an assignment is
-  dropped only when its expert gets more than twice its share of the batch), or every expert densely
-  (exact); it also returns each MoE layer's expert load and dropped fraction;
+- :func:`train_forward` — the model's own forward (``transformer.forward_with_moe_stats``) with an expert dispatch
+  that trains fast on a CPU (where ``ragged_dot`` is slow, see ``model.moe``): capacity-limited expert buffers
+  (factor 2: an assignment is dropped only when its expert gets more than twice its share of the batch), or
+  every expert densely (exact); it also returns each MoE layer's expert load and dropped fraction;
 - auxiliary-loss-free balancing (DeepSeek-V3): after each step every MoE layer's ``e_score_correction_bias``
   moves by ``bias_update_rate`` against the sign of its experts' over-/under-load (it gets no gradient);
 - :func:`train` — AdamW with linear warmup and cosine decay, orbax checkpoints every ``ckpt_every`` steps
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import jax
@@ -33,12 +33,10 @@ from phaseserve.config import ModelConfig, to_dtype
 from phaseserve.data.corpus import Mixture, eval_windows
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import examples
-from phaseserve.model import attention_mla
-from phaseserve.model.layers import mlp, rms_norm
 from phaseserve.model.loader import hf_sources, leaf_path
-from phaseserve.model.moe import route
-from phaseserve.model.params import MLPParams, MoEParams, Params, abstract_params, is_info
-from phaseserve.model.transformer import embed, forward, logits_from_hidden
+from phaseserve.model.moe import capacity_experts, dense_experts
+from phaseserve.model.params import MoEParams, Params, abstract_params, is_info
+from phaseserve.model.transformer import forward, forward_with_moe_stats
 
 
 @dataclass
@@ -135,68 +133,13 @@ def init_train_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
 
 # ---- forward and loss ------------------------------------------------------------------------------------
-def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
-    """All experts on all tokens, combined with the routing weights. x [N, D], weights f32[N, k], idx i32[N, k]."""
-    n = x.shape[0]
-    gates = jnp.zeros((n, cfg.num_experts), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)  # [N, E]
-    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, p.w_gate)) * jnp.einsum("nd,edf->enf", x, p.w_up)
-    y = jnp.einsum("enf,efd->end", h, p.w_down)
-    return jnp.einsum("end,ne->nd", y, gates).astype(x.dtype)
-
-
-def capacity_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
-                     factor: float) -> tuple[jax.Array, jax.Array]:
-    """Capacity-limited dispatch: each expert takes at most ``C = ceil(factor * N * k / E)`` assignments (in
-    token order) into an [E, C, D] buffer for one batched matmul; the rest are dropped (the token keeps its
-    shared expert and residual). Exact whenever no expert overflows (always when ``factor >= E / k``).
-
-    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], dropped fraction of assignments f32[])."""
-    n, k = idx.shape
-    e = cfg.num_experts
-    cap = int(np.ceil(factor * n * k / e))
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    counts = jnp.bincount(flat, length=e)
-    rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[expert]
-    keep = rank < cap
-    slot = jnp.where(keep, expert * cap + rank, e * cap)  # overflow goes to a discarded extra row
-    token = order // k
-    buf = jnp.zeros((e * cap + 1, x.shape[1]), x.dtype).at[slot].set(x[token])[:-1].reshape(e, cap, -1)
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, p.w_gate)) * jnp.einsum("ecd,edf->ecf", buf, p.w_up)
-    y = jnp.einsum("ecf,efd->ecd", h, p.w_down).reshape(e * cap, -1)
-    y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])[slot]
-    y = y * (weights.reshape(-1)[order] * keep)[:, None]
-    return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype), jnp.sum(~keep) / keep.size
-
-
 def train_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, capacity_factor: float | None = None,
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """tokens i32[B, T] -> (logits f32[B, T, V], {"load": f32[num_moe_layers, E] (fractions of assignments),
-    "dropped": f32[num_moe_layers]}). ``capacity_factor`` None runs every expert densely (exact)."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens)
-    loads, dropped = [], []
-    for layer in params.layers:
-        out, _ = attention_mla.forward(layer.attn, cfg, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, None)
-        x = x + out
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        if isinstance(layer.mlp, MLPParams):
-            x = x + mlp(layer.mlp, h)
-            continue
-        hf = h.reshape(-1, h.shape[-1])
-        w, idx = route(layer.mlp, cfg, hf)
-        if capacity_factor is None:
-            y, drop = dense_experts(layer.mlp, cfg, hf, w, idx), jnp.float32(0)
-        else:
-            y, drop = capacity_experts(layer.mlp, cfg, hf, w, idx, capacity_factor)
-        if layer.mlp.shared is not None:
-            y = y + mlp(layer.mlp.shared, hf)
-        x = x + y.reshape(h.shape)
-        loads.append(jnp.bincount(idx.reshape(-1), length=cfg.num_experts) / idx.size)
-        dropped.append(drop)
-    return logits_from_hidden(params, cfg, x), {"load": jnp.stack(loads), "dropped": jnp.stack(dropped)}
+    """The model's forward with a training-time expert dispatch: tokens i32[B, T] -> (logits f32[B, T, V],
+    {"load": f32[num_moe_layers, E], "dropped": f32[num_moe_layers]}). ``capacity_factor`` None runs every
+    expert densely (exact, ``moe.dense_experts``); else ``moe.capacity_experts`` with that factor."""
+    dispatch = dense_experts if capacity_factor is None else partial(capacity_experts, factor=capacity_factor)
+    return forward_with_moe_stats(params, cfg, tokens, dispatch)
 
 
 def masked_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:

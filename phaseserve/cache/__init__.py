@@ -6,6 +6,8 @@
   memory accounting (``kv_bytes_per_token``, ``kv_bytes_per_page``, ``pages_for_budget``).
 - ``integrity``: :class:`IntegrityTracker` (device tags, the separate jitted check, step hooks, typed errors)
   and :class:`NoopTracker`.
+- ``attend``: :class:`PagedAttend`, the per-layer decode attention over the pages (write, attend, integrity hooks)
+  that ``transformer.decode_step`` runs in the engine.
 - ``faults``: :class:`FaultInjector` and a model-free ``toy_decode_step`` for tests and experiments.
 """
 

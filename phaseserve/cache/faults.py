@@ -1,4 +1,4 @@
-"""Fault injection for the paged cache and its integrity layer (tests and experiments), plus a toy decode step.
+"""Fault injection for the paged cache and its integrity layer (tests and experiments), plus a model-free step.
 
 :class:`FaultInjector` breaks the state the way real bugs would, going around the normal bookkeeping:
 
@@ -21,10 +21,11 @@ Page-table faults change only the request's *page table* (what the device reads)
 ``double_allocate`` change the allocator behind the request's back; release then skips the pages whose tags no
 longer match (they are not the request's any more) and reports them.
 
-:func:`toy_decode_step` is a miniature decode step over the real paged functions (write the new token, gather,
-attend, per layer) that consumes a tracker exactly as the engine's step does. Tests use it to show that faults
-are caught in the step that would first read them while other rows stay bit-identical, and that a step built
-with the :class:`~phaseserve.cache.integrity.NoopTracker` traces to the same jaxpr as one built without a tracker.
+:func:`toy_decode_step` runs the engine's own per-layer paged attention (:class:`~phaseserve.cache.attend.PagedAttend`:
+write the new token, attend over the pages, consume the tracker's mask and guard) on given queries instead of a
+model's. Tests use it to show that faults are caught in the step that would first read them while other rows stay
+bit-identical, and that a step built with the :class:`~phaseserve.cache.integrity.NoopTracker` traces to the same
+jaxpr as one built without a tracker.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from phaseserve.cache.allocator import PageTables
-from phaseserve.cache.paged import MLAPages, PagePool, gather_layer, write_token_layer
+from phaseserve.cache.attend import PagedAttend
+from phaseserve.cache.paged import MLAPages, PagePool
 
 
 class FaultInjector:
@@ -125,46 +126,21 @@ class FaultInjector:
         return pool.replace(layers=tuple(layers))
 
 
-# ---- a toy decode step ------------------------------------------------------------------------------------
-def _attend(q: jax.Array, kv: Any, valid: jax.Array) -> jax.Array:
-    """Masked softmax attention over dense gathered KV. valid bool[B, T]. GQA: q [B, H, hd], kv (k, v)
-    [B, T, KV, hd] -> [B, H, hd]. MLA: q [B, H, W], latent [B, T, W] -> [B, H, W] (latent as keys and values).
-    Masks values with ``where`` too: past-length slots may hold stale bytes of a previous owner."""
-    if isinstance(kv, tuple):
-        k, v = kv
-        b, h, d = q.shape
-        g = h // k.shape[2]
-        s = jnp.einsum("bkgd,btkd->bkgt", q.reshape(b, -1, g, d), k) / np.sqrt(d)
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-        v = jnp.where(valid[:, :, None, None], v, 0.0)
-        return jnp.einsum("bkgt,btkd->bkgd", jax.nn.softmax(s, axis=-1), v).reshape(b, h, d)
-    s = jnp.einsum("bhw,btw->bht", q, kv) / np.sqrt(q.shape[-1])
-    s = jnp.where(valid[:, None, :], s, -jnp.inf)
-    lat = jnp.where(valid[:, :, None], kv, 0.0)
-    return jnp.einsum("bht,btw->bhw", jax.nn.softmax(s, axis=-1), lat)
+# ---- a model-free decode step ------------------------------------------------------------------------------
+def toy_decode_step(pool: PagePool, q: list[Any], new_kv: list[Any], page_table: jax.Array, lengths: jax.Array,
+                    row_mask: jax.Array, ok: jax.Array | None, *, tracker=None):
+    """The engine's per-layer paged attention (:class:`~phaseserve.cache.attend.PagedAttend`, reference kernels)
+    applied to given queries and new KV instead of a model's: per layer, write the new token at position
+    ``lengths`` and attend over the row's pages.
 
-
-def toy_decode_step(pool: PagePool, q: list[jax.Array], new_kv: list[Any], page_table: jax.Array,
-                    lengths: jax.Array, row_mask: jax.Array, ok: jax.Array | None, *, tracker=None):
-    """One decode step without a model: per layer, write the new token at position ``lengths``, then attend.
-
-    q: per layer [B, H, hd] (GQA) or [B, H, W] (MLA); new_kv: per layer ``(k, v)`` [B, KV, hd] or latent [B, W];
-    page_table i32[B, P]; lengths i32[B] (tokens already cached); row_mask bool[B] (False: padding row);
-    ok bool[B] from the tracker's check (None without a tracker or with the NoopTracker).
-    ``tracker=None`` builds the step with no integrity code at all. Returns (pool, out f32[B, L, H, D], finite).
+    q: per layer [B, H, hd] (GQA) or ``(q_latent [B, H, r], q_rope [B, H, rope])`` (MLA); new_kv: per layer
+    ``(k, v)`` [B, KV, hd] or latent [B, r + rope]; page_table i32[B, P]; lengths i32[B] (tokens already cached);
+    row_mask bool[B] (False: padding row); ok bool[B] from the tracker's check (None without a tracker or with
+    the NoopTracker). ``tracker=None`` builds the step with no integrity code at all.
+    Returns (pool, out [B, L, H, hd or r], finite bool[B] | None).
     """
-    pt, mask, finite = page_table, row_mask, None
-    if tracker is not None:
-        pt = tracker.mask_table(pt, ok)
-        mask = tracker.mask_rows(mask, ok)
-    t = pt.shape[1] * pool.page_size
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] <= lengths[:, None]
-    layers, outs = [], []
-    for layer, ql, kvl in zip(pool.layers, q, new_kv, strict=True):
-        layer = write_token_layer(layer, kvl, pt, lengths, mask)
-        out = _attend(ql.astype(jnp.float32), gather_layer(layer, pt), valid)
-        if tracker is not None:
-            out, finite = tracker.guard(out, finite)
-        layers.append(layer)
-        outs.append(out)
-    return pool.replace(layers=tuple(layers)), jnp.stack(outs, axis=1), finite
+    d = (q[0][0] if isinstance(q[0], tuple) else q[0]).shape[-1]
+    attend = PagedAttend(page_table, lengths, row_mask, ok, tracker=tracker, sm_scale=d**-0.5, impl="reference")
+    layers, outs = zip(*(attend(layer, ql, kvl) for layer, ql, kvl in zip(pool.layers, q, new_kv, strict=True)),
+                       strict=True)
+    return pool.replace(layers=tuple(layers)), jnp.stack(outs, axis=1), attend.finite

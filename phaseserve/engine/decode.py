@@ -6,6 +6,9 @@ representation through the MoE layers, and samples the next token::
 
     step(params, pool, batch) -> (next_tokens i32[B], pool', finite bool[B] | None)
 
+It is the model's one decode step (``transformer.decode_step``) with the paged cache's per-layer attention
+(:class:`~phaseserve.cache.attend.PagedAttend`), followed by sampling.
+
 Integrity: the step takes the tracker's ``ok bool[B]`` mask (computed by the tracker's separate jitted check
 just before) and consumes it on device: failing rows' page tables point at the null page, they write nothing
 and attend over nothing. The hooks come from the tracker object; with :class:`NoopTracker` they are identities
@@ -17,18 +20,15 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.mla_attention import mla_decode_attention
-from pallas_kernels.paged_attention import paged_decode_attention
-from phaseserve.cache.paged import GQAPages, MLAPages, PagePool, write_token_layer
+from phaseserve.cache.attend import PagedAttend
+from phaseserve.cache.paged import PagePool
 from phaseserve.config import ModelConfig
 from phaseserve.engine.sampling import sample
-from phaseserve.model import attention_gqa, attention_mla
-from phaseserve.model.layers import rms_norm, softmax_scale
+from phaseserve.model import transformer
+from phaseserve.model.layers import softmax_scale
 from phaseserve.model.params import Params
-from phaseserve.model.transformer import embed, ffn, logits_from_hidden
 
 
 @struct.dataclass
@@ -46,47 +46,18 @@ class DecodeBatch:
     steps: jax.Array  # i32[B] index of the token being sampled in the request's output
 
 
-def _attend_gqa(layer_p, cfg: ModelConfig, pages: GQAPages, h, batch: DecodeBatch, pt, write, lengths, impl):
-    q, k, v = attention_gqa.decode_queries(layer_p, cfg, h, batch.positions)
-    pages = write_token_layer(pages, (k, v), pt, batch.positions, write)
-    o = paged_decode_attention(q, pages.k, pages.v, pt, lengths, k_scales=pages.k_scale, v_scales=pages.v_scale,
-                               sm_scale=softmax_scale(cfg), impl=impl)
-    return pages, o
-
-
-def _attend_mla(layer_p, cfg: ModelConfig, pages: MLAPages, h, batch: DecodeBatch, pt, write, lengths, impl):
-    q_lat, q_rope, lat = attention_mla.absorbed_queries(layer_p, cfg, h, batch.positions)
-    pages = write_token_layer(pages, lat, pt, batch.positions, write)
-    o = mla_decode_attention(q_lat, q_rope, pages.latent, pt, lengths, scales=pages.scale,
-                             sm_scale=softmax_scale(cfg), impl=impl)
-    return pages, o
+def decode_logits(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
+                  tracker: Any = None, attn_impl: str = "auto") -> tuple[jax.Array, PagePool, Any]:
+    """The model's decode step over the paged cache: (logits f32[B, V], pool', finite bool[B] | None)."""
+    attend = PagedAttend(batch.page_table, batch.positions, batch.active, ok, tracker=tracker,
+                         sm_scale=softmax_scale(cfg), impl=attn_impl)
+    logits, layers = transformer.decode_step(params, cfg, batch.tokens, batch.positions, pool.layers, attend)
+    return logits, pool.replace(layers=tuple(layers)), attend.finite
 
 
 def decode_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
                 tracker: Any = None, attn_impl: str = "auto") -> tuple[jax.Array, PagePool, Any]:
     """One decode step for the batch. ``ok`` bool[B] from the tracker's check (None when disabled)."""
-    pt, write = batch.page_table, batch.active
-    if tracker is not None:
-        pt = tracker.mask_table(pt, ok)
-        write = tracker.mask_rows(write, ok)
-    lengths = jnp.where(write, batch.positions + 1, 0)
-    finite = None
-    x = embed(params, batch.tokens)
-    new_layers = []
-    for layer_p, pages in zip(params.layers, pool.layers, strict=True):
-        h = rms_norm(x, layer_p.attn_norm, cfg.rms_norm_eps)
-        if cfg.is_mla:
-            pages, o = _attend_mla(layer_p.attn, cfg, pages, h, batch, pt, write, lengths, attn_impl)
-        else:
-            pages, o = _attend_gqa(layer_p.attn, cfg, pages, h, batch, pt, write, lengths, attn_impl)
-        if tracker is not None:
-            o, finite = tracker.guard(o, finite)
-        if cfg.is_mla:
-            out = attention_mla.absorbed_output(layer_p.attn, cfg, o)
-        else:
-            out = attention_gqa.output(layer_p.attn, o[:, None])[:, 0]
-        x = ffn(layer_p, cfg, x + out)
-        new_layers.append(pages)
-    logits = logits_from_hidden(params, cfg, x)
+    logits, pool, finite = decode_logits(params, cfg, pool, batch, ok, tracker=tracker, attn_impl=attn_impl)
     nxt = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-    return nxt, pool.replace(layers=tuple(new_layers)), finite
+    return nxt, pool, finite

@@ -1,18 +1,20 @@
-"""A fast reference generator for MLA models: greedy decoding with a contiguous (unpaged) latent KV cache.
+"""A fast reference generator: greedy decoding with a contiguous (unpaged) KV cache per row.
 
 Full recompute (:func:`phaseserve.eval.generation.greedy_generate_fn`) is the obvious oracle but costs a
 whole forward pass per generated token; on a loaded two-core CPU that is minutes for a few dozen tool calls.
-This generator runs ``ps.prefill`` once over the padded prompt buffer (its per-layer MLA latents become the
-cache) and then one token per step through the model's own weight-absorbed MLA pieces
-(``attention_mla.absorbed_queries`` / ``absorbed_output``), all inside one jitted ``while_loop``.
+This generator runs ``ps.prefill`` once over the padded prompt buffer (its per-layer KV becomes the cache) and
+then one token per step through the model's own decode step (``transformer.decode_step``) with the reference
+paged attention of :class:`~phaseserve.cache.attend.PagedAttend`, all inside one jitted ``while_loop``.
 
-Layout::
+Layout: the cache of row ``b`` is one page of ``L`` slots, page ``b + 1`` (page 0 is the null page, never
+written; page table ``[[1], [2], ...]``)::
 
     buf    i32[B, L]          prompts left-aligned, then generated tokens, then <pad>
-    cache  f32[B, L, r + rope] per layer: [norm(c_kv), rope(k_rope)] per position (prefill fills all L;
-                               position p is rewritten when token p is decoded, keys > p are masked)
+    cache  per layer: MLA latent [B, L, r + rope] (``MLAPages``) or (k, v) [B, L, KV, hd] (``GQAPages``), in the
+           params' dtype; prefill fills all L positions, position p is rewritten when token p is decoded and
+           keys beyond p are masked by length
 
-It is a *reference* (no paging, no batching across arrivals): the serving engine is judged against it and
+It is a *reference* (no page allocation, no batching across arrivals): the serving engine is judged against it and
 against full recompute, which it matches token for token in float32 (tests/e2e/test_default_model.py).
 """
 
@@ -23,41 +25,33 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from phaseserve.cache.attend import PagedAttend
+from phaseserve.cache.paged import GQAPages, MLAPages
 from phaseserve.config import ModelConfig
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.eval.generation import batched_generate_fn
-from phaseserve.model import attention_mla
-from phaseserve.model.layers import rms_norm, softmax_scale
-from phaseserve.model.transformer import embed, ffn, logits_from_hidden, prefill
+from phaseserve.model import transformer
+from phaseserve.model.layers import softmax_scale
 
 
-def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, caches: list[jax.Array]):
-    """One token per row. tokens i32[B], positions i32[B], caches per layer f32[B, L, r + rope]
+def as_pages(kvs: list) -> list[GQAPages | MLAPages]:
+    """Prefill's per-layer KV ([B, L, ...]) as one page of L slots per row, after the null page 0."""
+    pad = lambda x: jnp.pad(x, [(1, 0)] + [(0, 0)] * (x.ndim - 1))
+    return [GQAPages(pad(kv[0]), pad(kv[1])) if isinstance(kv, tuple) else MLAPages(pad(kv)) for kv in kvs]
+
+
+def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, caches: list):
+    """One token per row. tokens i32[B], positions i32[B], caches from :func:`as_pages`
     -> (logits f32[B, V], updated caches)."""
-    rows = jnp.arange(tokens.shape[0])
-    r = cfg.kv_lora_rank
-    x = embed(params, tokens)  # [B, D]
-    mask = jnp.arange(caches[0].shape[1])[None, :] <= positions[:, None]  # bool[B, L]
-    new = []
-    for layer, cache in zip(params.layers, caches, strict=True):
-        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q_lat, q_rope, lat = attention_mla.absorbed_queries(layer.attn, cfg, h, positions)
-        cache = cache.at[rows, positions].set(lat.astype(cache.dtype))
-        c, k_rope = cache[..., :r], cache[..., r:]
-        s = (jnp.einsum("bhr,blr->bhl", q_lat, c, preferred_element_type=jnp.float32)
-             + jnp.einsum("bhe,ble->bhl", q_rope, k_rope, preferred_element_type=jnp.float32)) * softmax_scale(cfg)
-        p = jax.nn.softmax(jnp.where(mask[:, None, :], s, -jnp.inf), axis=-1)
-        o_lat = jnp.einsum("bhl,blr->bhr", p.astype(c.dtype), c, preferred_element_type=jnp.float32).astype(x.dtype)
-        x = ffn(layer, cfg, x + attention_mla.absorbed_output(layer.attn, cfg, o_lat))
-        new.append(cache)
-    return logits_from_hidden(params, cfg, x), new
+    b = tokens.shape[0]
+    attend = PagedAttend(jnp.arange(1, b + 1, dtype=jnp.int32)[:, None], positions, jnp.ones((b,), bool), None,
+                         sm_scale=softmax_scale(cfg), impl="reference")
+    return transformer.decode_step(params, cfg, tokens, positions, caches, attend)
 
 
 def cached_greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[int] | None = None,
                               batch_size: int = 32, pad_id: int | None = None, bucket: int = 32):
-    """``GenerateFn`` (see :mod:`phaseserve.eval.generation`): greedy, cached, MLA models only."""
-    if not cfg.is_mla:
-        raise NotImplementedError("the cached reference decoder handles MLA models; use greedy_generate_fn")
+    """``GenerateFn`` (see :mod:`phaseserve.eval.generation`): greedy, cached."""
     stops = jnp.asarray(list(stop_ids if stop_ids is not None else cfg.eos_token_ids) or [-1], jnp.int32)
     pad = ByteTokenizer().pad_id if pad_id is None else pad_id
 
@@ -66,7 +60,8 @@ def cached_greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[in
         """buf i32[B, L], lengths i32[B] (>= 1), active bool[B], max_new i32[] -> (buf, lengths)."""
         rows = jnp.arange(buf.shape[0])
         width = buf.shape[1]
-        logits, caches = prefill(params, cfg, buf, lengths)
+        logits, kvs = transformer.prefill(params, cfg, buf, lengths)
+        caches = as_pages(kvs)
         first = jnp.argmax(logits[rows, lengths - 1], axis=-1).astype(jnp.int32)
 
         def cond(state):

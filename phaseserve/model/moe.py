@@ -7,20 +7,33 @@ Routing (``route``):
   *choice* only, group-limited top-k (keep the ``topk_group`` of ``n_group`` groups with the best
   top-2 sums), weights are the un-biased scores, optionally renormalised, times ``routed_scaling_factor``.
 
-Dispatch (``moe``): the N*k (token, expert) assignments are sorted by expert and run through one ragged
-(grouped) matmul per projection (``qarrays.grouped_dense``, i.e. ``jax.lax.ragged_dot`` or the INT4 grouped
-kernel), then scattered back weighted. Shared experts run densely on every token.
+Dispatch (how the routed tokens reach their experts), one function per strategy, each
+``(p, cfg, x [N, D], weights f32[N, k], idx i32[N, k]) -> (out [N, D], dropped fraction f32[])``:
+
+- :func:`ragged_experts` (serving, the default): the N*k (token, expert) assignments are sorted by expert and run
+  through one ragged (grouped) matmul per projection (``qarrays.grouped_dense``, i.e. ``jax.lax.ragged_dot`` or
+  the INT4 grouped kernel), then scattered back weighted; exact.
+- :func:`dense_experts`: every expert on every token, combined with the routing weights; exact, and fast to
+  train on a CPU where ``ragged_dot`` is slow.
+- :func:`capacity_experts` (training): each expert takes at most ``ceil(factor * N * k / E)`` assignments into a
+  fixed [E, C, D] buffer for one batched matmul; the overflow is dropped.
+
+Shared experts run densely on every token. :func:`moe` also returns the layer's expert load (fractions of the
+assignments) and the dropped fraction, which training uses for auxiliary-loss-free balancing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from phaseserve.config import ModelConfig
 from phaseserve.model.layers import mlp
 from phaseserve.model.params import MoEParams
-from phaseserve.qarrays import grouped_dense
+from phaseserve.qarrays import dequantize, grouped_dense
 
 
 def route(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -49,8 +62,9 @@ def route(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.
     return w * cfg.routed_scaling_factor, idx
 
 
-def experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
-    """Sorted ragged dispatch. x [N, D], weights f32[N, k], idx i32[N, k] -> [N, D]."""
+def ragged_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Sorted ragged dispatch. x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
     n, k = idx.shape
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -60,15 +74,60 @@ def experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, id
     h = jax.nn.silu(grouped_dense(xs, p.w_gate, group_sizes)) * grouped_dense(xs, p.w_up, group_sizes)
     ys = grouped_dense(h, p.w_down, group_sizes).astype(jnp.float32)
     ys = ys * weights.reshape(-1)[order][:, None]
-    return jax.ops.segment_sum(ys, token, num_segments=n).astype(x.dtype)
+    return jax.ops.segment_sum(ys, token, num_segments=n).astype(x.dtype), jnp.float32(0)
 
 
-def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """x [..., D] -> [..., D]: routed experts plus shared experts."""
+def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                  ) -> tuple[jax.Array, jax.Array]:
+    """All experts on all tokens, combined with the routing weights. x [N, D], weights f32[N, k], idx i32[N, k]
+    -> (out [N, D], 0.0)."""
+    n = x.shape[0]
+    gates = jnp.zeros((n, cfg.num_experts), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)  # [N, E]
+    w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
+    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, w_gate)) * jnp.einsum("nd,edf->enf", x, w_up)
+    y = jnp.einsum("enf,efd->end", h, w_down)
+    return jnp.einsum("end,ne->nd", y, gates).astype(x.dtype), jnp.float32(0)
+
+
+def capacity_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                     factor: float) -> tuple[jax.Array, jax.Array]:
+    """Capacity-limited dispatch: each expert takes at most ``C = ceil(factor * N * k / E)`` assignments (in
+    token order) into an [E, C, D] buffer for one batched matmul; the rest are dropped (the token keeps its
+    shared expert and residual). Exact whenever no expert overflows (always when ``factor >= E / k``).
+
+    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], dropped fraction of assignments f32[])."""
+    n, k = idx.shape
+    e = cfg.num_experts
+    cap = int(np.ceil(factor * n * k / e))
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = jnp.bincount(flat, length=e)
+    rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[expert]
+    keep = rank < cap
+    slot = jnp.where(keep, expert * cap + rank, e * cap)  # overflow goes to a discarded extra row
+    token = order // k
+    w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
+    buf = jnp.zeros((e * cap + 1, x.shape[1]), x.dtype).at[slot].set(x[token])[:-1].reshape(e, cap, -1)
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, w_gate)) * jnp.einsum("ecd,edf->ecf", buf, w_up)
+    y = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(e * cap, -1)
+    y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])[slot]
+    y = y * (weights.reshape(-1)[order] * keep)[:, None]
+    return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype), jnp.sum(~keep) / keep.size
+
+
+Dispatch = Callable[[MoEParams, ModelConfig, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = ragged_experts,
+        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [..., D] -> (routed plus shared experts [..., D], {"load": f32[E] (fractions of the assignments),
+    "dropped": f32[] (fraction of assignments the dispatch dropped)})."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     w, idx = route(p, cfg, xf)
-    out = experts(p, cfg, xf, w, idx)
+    out, dropped = dispatch(p, cfg, xf, w, idx)
     if p.shared is not None:
         out = out + mlp(p.shared, xf)
-    return out.reshape(shape)
+    load = jnp.bincount(idx.reshape(-1), length=cfg.num_experts) / idx.size
+    return out.reshape(shape), {"load": load, "dropped": dropped}

@@ -1,10 +1,17 @@
-"""The decoder stack: ``forward`` (full causal pass, no cache) and ``prefill`` (also returns the per-layer
-KV the decode cache stores). Decode over the paged cache lives in ``phaseserve.engine.decode``, which
-reuses the per-layer pieces exposed here.
+"""The decoder stack, written once:
+
+- :func:`prefill` / :func:`forward`: the full causal pass (``forward`` = logits only; ``prefill`` also returns the
+  per-layer KV the decode cache stores); :func:`forward_with_moe_stats` is the same pass with a chosen expert
+  dispatch (training) returning each MoE layer's expert load;
+- :func:`decode_step`: one new token per row through every layer, with the KV storage left to the caller: an
+  ``attend(cache, q, kv) -> (cache, o)`` callback writes the token's KV into that layer's cache and attends over it.
+  The engine's paged step (``engine.decode``), the fault-injection harness and the cached reference generator
+  (``eval.cached_decode``) all run this one function with the paged attention of ``phaseserve.cache.attend``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,7 +20,7 @@ import jax.numpy as jnp
 from phaseserve.config import ModelConfig
 from phaseserve.model import attention_gqa, attention_mla
 from phaseserve.model.layers import mlp, rms_norm
-from phaseserve.model.moe import moe
+from phaseserve.model.moe import Dispatch, moe, ragged_experts
 from phaseserve.model.params import LayerParams, MLPParams, Params
 from phaseserve.qarrays import dense
 
@@ -23,10 +30,14 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params.embed, tokens, axis=0)
 
 
-def ffn(layer: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """The MLP half of a layer (dense SwiGLU or MoE), residual included. x [..., D]."""
+def ffn(layer: LayerParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = ragged_experts,
+        ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
+    """The MLP half of a layer (dense SwiGLU or MoE), residual included: x [..., D] -> (x', MoE stats or None)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    return x + (mlp(layer.mlp, h) if isinstance(layer.mlp, MLPParams) else moe(layer.mlp, cfg, h))
+    if isinstance(layer.mlp, MLPParams):
+        return x + mlp(layer.mlp, h), None
+    out, stats = moe(layer.mlp, cfg, h, dispatch)
+    return x + out, stats
 
 
 def logits_from_hidden(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -44,6 +55,22 @@ def _layer_attention(layer: LayerParams, cfg: ModelConfig, x, positions, lengths
     return x + out, kv
 
 
+def _stack(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths, positions, dispatch: Dispatch):
+    """The causal pass: (hidden f32[B, T, D], per-layer KV, per-MoE-layer stats)."""
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = embed(params, tokens)
+    kvs, stats = [], []
+    for layer in params.layers:
+        x, kv = _layer_attention(layer, cfg, x, positions, lengths)
+        x, st = ffn(layer, cfg, x, dispatch)
+        kvs.append(kv)
+        if st is not None:
+            stats.append(st)
+    return x, kvs, stats
+
+
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array | None = None,
             positions: jax.Array | None = None, logits_at: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
     """Causal pass returning (logits, per-layer KV).
@@ -53,15 +80,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Ar
     lm head runs once per row). Per-layer KV: ``(k, v)`` each [B, T, KV, hd] for GQA, or the latent
     [B, T, kv_lora + rope] for MLA.
     """
-    b, t = tokens.shape
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = embed(params, tokens)
-    kvs = []
-    for layer in params.layers:
-        x, kv = _layer_attention(layer, cfg, x, positions, lengths)
-        x = ffn(layer, cfg, x)
-        kvs.append(kv)
+    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, ragged_experts)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, cfg, x), kvs
@@ -70,3 +89,42 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Ar
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """tokens i32[B, T] -> logits f32[B, T, V]; causal, no cache."""
     return prefill(params, cfg, tokens)[0]
+
+
+def forward_with_moe_stats(params: Params, cfg: ModelConfig, tokens: jax.Array, dispatch: Dispatch = ragged_experts,
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`forward` with the MoE layers dispatching through ``dispatch`` (see ``model.moe``): tokens i32[B, T]
+    -> (logits f32[B, T, V], {"load": f32[num_moe_layers, E], "dropped": f32[num_moe_layers]})."""
+    x, _, stats = _stack(params, cfg, tokens, None, None, dispatch)
+    return logits_from_hidden(params, cfg, x), {k: jnp.stack([s[k] for s in stats]) for k in ("load", "dropped")}
+
+
+Attend = Callable[[Any, Any, Any], tuple[Any, jax.Array]]
+
+
+def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, caches: Any,
+                attend: Attend) -> tuple[jax.Array, list[Any]]:
+    """One new token per row: tokens i32[B] at positions i32[B] -> (logits f32[B, V], per-layer caches).
+
+    ``caches`` holds one entry per layer, in whatever form ``attend(cache, q, kv) -> (cache, o)`` stores it; attend
+    writes the new token's KV and attends over the row's cached tokens (this one included):
+
+    - GQA: q [B, H, hd], kv ``(k, v)`` each [B, KV, hd] -> o [B, H, hd];
+    - MLA (weight-absorbed): q ``(q_latent [B, H, r], q_rope [B, H, rope])``, kv latent [B, r + rope]
+      -> o [B, H, r].
+    """
+    x = embed(params, tokens)
+    new = []
+    for layer, cache in zip(params.layers, caches, strict=True):
+        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        if cfg.is_mla:
+            q_lat, q_rope, lat = attention_mla.absorbed_queries(layer.attn, cfg, h, positions)
+            cache, o = attend(cache, (q_lat, q_rope), lat)
+            out = attention_mla.absorbed_output(layer.attn, cfg, o)
+        else:
+            q, k, v = attention_gqa.decode_queries(layer.attn, cfg, h, positions)
+            cache, o = attend(cache, q, (k, v))
+            out = attention_gqa.output(layer.attn, o[:, None])[:, 0]
+        x, _ = ffn(layer, cfg, x + out)
+        new.append(cache)
+    return logits_from_hidden(params, cfg, x), new

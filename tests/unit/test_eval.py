@@ -25,7 +25,7 @@ from phaseserve.eval import (
     token_match_rate,
     top1_agreement,
 )
-from phaseserve.eval.cached_decode import cached_greedy_generate_fn, decode_step
+from phaseserve.eval.cached_decode import as_pages, cached_greedy_generate_fn, decode_step
 
 TOK = ByteTokenizer()
 
@@ -186,7 +186,8 @@ def test_cached_decode_step_matches_forward_logits(rng):
     tokens = jnp.asarray(rng.integers(0, 264, (b, t)), jnp.int32)
     full = ps.forward(params, cfg, tokens)
     start = 9
-    _, caches = jax.jit(ps.prefill, static_argnums=1)(params, cfg, tokens.at[:, start:].set(258))  # junk beyond start
+    _, kvs = jax.jit(ps.prefill, static_argnums=1)(params, cfg, tokens.at[:, start:].set(258))  # junk beyond start
+    caches = as_pages(kvs)
     step = jax.jit(decode_step, static_argnums=1)
     for pos in range(start, t):
         logits, caches = step(params, cfg, tokens[:, pos], jnp.full((b,), pos, jnp.int32), caches)

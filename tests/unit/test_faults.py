@@ -1,7 +1,7 @@
-"""Fault injection end to end over the real paged functions (toy decode step, no model): every fault is caught in
-the step that would first read it, only the victim is flagged, every other row is bit-identical to the fault-free
-run, nothing leaks; without the tracker the same faults go unnoticed and corrupt results. A long randomized
-fault-free run (joins, leaves, shared prefixes, preemption, tag wraparound) flags nothing."""
+"""Fault injection end to end over the engine's paged attention (toy decode step: given queries, no model): every
+fault is caught in the step that would first read it, only the victim is flagged, every other row is bit-identical
+to the fault-free run, nothing leaks; without the tracker the same faults go unnoticed and corrupt results. A long
+randomized fault-free run (joins, leaves, shared prefixes, preemption, tag wraparound) flags nothing."""
 
 from __future__ import annotations
 
@@ -79,11 +79,13 @@ class Harness:
         return [r for r in self.rows if r is not None]
 
     def step(self, grow=True):
-        """Grow pages, check, run the toy step. Returns (out f32[B, L, H, W], {rid: KVIntegrityError})."""
+        """Grow pages, check, run the toy step. Returns (out f32[B, L, H, hd or r], {rid: KVIntegrityError})."""
         rng = np.random.default_rng([self.seed, self.i])
         b, cfg = len(self.rows), self.cfg
         hd = cfg.kv_cache_width
         q = [self._rand(rng, b, cfg.num_heads, hd) for _ in range(cfg.num_layers)]
+        if cfg.is_mla:  # (q_latent, q_rope)
+            q = [(x[..., : cfg.kv_lora_rank], x[..., cfg.kv_lora_rank:]) for x in q]
         new = [self._rand(rng, b, hd) if cfg.is_mla else
                tuple(self._rand(rng, b, cfg.num_kv_heads, hd) for _ in range(2)) for _ in range(cfg.num_layers)]
         if grow:

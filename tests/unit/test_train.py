@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import phaseserve as ps
 from phaseserve import train as T
-from phaseserve.model.moe import route
+from phaseserve.model.moe import capacity_experts, dense_experts, route
 
 TINY = T.ModelShape(hidden_size=32, num_layers=2, first_k_dense=1, num_heads=2, intermediate_size=48,
                     moe_intermediate_size=16, num_experts=4, experts_per_tok=2, shared_experts=1, q_lora_rank=16,
@@ -57,11 +57,11 @@ def test_capacity_drops_exactly_the_overflow(key):
     x = jax.random.normal(jax.random.fold_in(key, 2), (40, cfg.hidden_size))
     w, idx = route(moe.replace(correction_bias=jnp.array([50.0, 50.0, 0.0, 0.0])), cfg, x)
     assert set(np.unique(idx).tolist()) == {0, 1}  # every token chose experts 0 and 1
-    out, dropped = T.capacity_experts(moe, cfg, x, w, idx, factor=1.0)
+    out, dropped = capacity_experts(moe, cfg, x, w, idx, factor=1.0)
     cap = int(np.ceil(1.0 * 40 * 2 / 4))  # 20 of each expert's 40 assignments fit
     assert float(dropped) == pytest.approx(1 - cap / 40)
     kept = np.arange(40) < cap  # in token order
-    ref = T.dense_experts(moe, cfg, x, w * kept[:, None], idx)
+    ref, _ = dense_experts(moe, cfg, x, w * kept[:, None], idx)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 

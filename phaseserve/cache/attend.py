@@ -1,0 +1,67 @@
+"""Decode attention over the paged cache, one layer at a time: the ``attend`` of ``transformer.decode_step``.
+
+For every row ``b`` of the batch, :class:`PagedAttend` writes the new token's KV at ``positions[b]`` into the
+row's pages, then attends over the row's first ``positions[b] + 1`` tokens with the paged kernels
+(``pallas_kernels.paged_attention`` for GQA, ``pallas_kernels.mla_attention`` for MLA latents; FP8 pages are
+dequantized inside the kernel)::
+
+    pages, o = attend(pages, q, kv)     # GQA: q [B, H, hd], kv (k, v) [B, KV, hd] -> o [B, H, hd]
+                                        # MLA: q (q_latent [B, H, r], q_rope [B, H, rope]), kv [B, r+rope]
+                                        #      -> o [B, H, r]
+
+Integrity hooks come from the tracker object and are consumed on device: rows whose ``ok`` is False get the null
+page in their table and write nothing (``mask_table`` / ``mask_rows``); their length is 0, so they attend over
+nothing and read zeros. ``guard`` flags rows whose attention output is not finite, accumulated over the layers in
+:attr:`PagedAttend.finite`. With ``tracker=None`` none of this code is traced; the :class:`NoopTracker`'s hooks are
+identities, so it traces to the same jaxpr (tested).
+
+One object serves one traced step (it accumulates ``finite`` across the layers of that step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mla_attention import mla_decode_attention
+from pallas_kernels.paged_attention import paged_decode_attention
+from phaseserve.cache.paged import GQAPages, MLAPages, write_token_layer
+
+
+class PagedAttend:
+    """``attend(pages, q, kv) -> (pages, o)`` for one decode step over a paged cache (see module docstring)."""
+
+    def __init__(
+        self,
+        page_table: jax.Array,  # i32[B, P]
+        positions: jax.Array,  # i32[B] position of the new token (= tokens already cached)
+        active: jax.Array,  # bool[B] real rows (False: padding)
+        ok: jax.Array | None,  # bool[B] from the tracker's check (None without a tracker / with the NoopTracker)
+        *,
+        tracker: Any = None,
+        sm_scale: float,
+        impl: str = "auto",
+    ):
+        if tracker is not None:
+            page_table = tracker.mask_table(page_table, ok)
+            active = tracker.mask_rows(active, ok)
+        self.page_table, self.positions, self.write = page_table, positions, active
+        self.lengths = jnp.where(active, positions + 1, 0)  # i32[B]
+        self.tracker, self.sm_scale, self.impl = tracker, sm_scale, impl
+        self.finite: jax.Array | None = None  # bool[B] after the first layer when the tracker guards
+
+    def __call__(self, pages: GQAPages | MLAPages, q: Any, kv: Any) -> tuple[GQAPages | MLAPages, jax.Array]:
+        pt, lengths = self.page_table, self.lengths
+        pages = write_token_layer(pages, kv, pt, self.positions, self.write)
+        if isinstance(pages, MLAPages):
+            q_latent, q_rope = q
+            o = mla_decode_attention(q_latent, q_rope, pages.latent, pt, lengths, scales=pages.scale,
+                                     sm_scale=self.sm_scale, impl=self.impl)
+        else:
+            o = paged_decode_attention(q, pages.k, pages.v, pt, lengths, k_scales=pages.k_scale,
+                                       v_scales=pages.v_scale, sm_scale=self.sm_scale, impl=self.impl)
+        if self.tracker is not None:
+            o, self.finite = self.tracker.guard(o, self.finite)
+        return pages, o
