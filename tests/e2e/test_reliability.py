@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import hypothesis.strategies as st
 import jax
@@ -26,6 +27,13 @@ from phaseserve.engine import CancelledError, Request, RequestError
 from phaseserve.engine.engine import EngineBusyError
 from phaseserve.engine.request import FINISH_REASONS, InvalidParameterError, InvalidRequestIdError
 from tests.e2e.engine_utils import F32, make_checkpoint, random_requests, serve_config
+
+
+def examples(ci: int) -> int:
+    """Hypothesis examples per property: ``ci`` (bounded for CI), or ``PHASESERVE_HYPOTHESIS_EXAMPLES`` (the soak
+    benchmark's longer run)."""
+    return int(os.environ.get("PHASESERVE_HYPOTHESIS_EXAMPLES", ci))
+
 
 FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
 
@@ -84,7 +92,8 @@ ARBITRARY = st.builds(
     stop_token_ids=ANY, ignore_eos=ANY, tenant=st.one_of(ANY, st.text(max_size=3)))
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(10), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(ARBITRARY, min_size=1, max_size=4), st.randoms(use_true_random=False))
 def test_property_arbitrary_requests_mixed_with_good_ones(served, arbitrary, rnd):
     eng, goods, ref = served

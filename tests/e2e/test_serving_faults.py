@@ -6,6 +6,7 @@ descriptors, unknown requests -- ending only the request a message names, leakin
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import time
 
@@ -21,6 +22,13 @@ from phaseserve.serving import ModelSpec, ServerSpec, StaleDescriptorError, Tran
 from phaseserve.serving.protocol import rebuild_error
 from phaseserve.serving.transfer import StagingArea, start_endpoint
 from tests.e2e.engine_utils import F32, make_checkpoint, serve_config
+
+
+def examples(ci: int) -> int:
+    """Hypothesis examples per property: ``ci`` (bounded for CI), or ``PHASESERVE_HYPOTHESIS_EXAMPLES`` (the soak
+    benchmark's longer run)."""
+    return int(os.environ.get("PHASESERVE_HYPOTHESIS_EXAMPLES", ci))
+
 
 FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=4),
@@ -47,7 +55,7 @@ def test_each_descriptor_field_is_verified(staged, field):
     assert staging.verify(d).descriptor == d
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.sampled_from(FIELDS), ANY, st.booleans())
 def test_property_no_altered_descriptor_is_honoured(staged, field, value, other):
     staging, a, b = staged
@@ -105,7 +113,7 @@ def _messages(server):
 def test_property_the_decode_server_survives_any_control_message(decode_server):
     server, out, _ = decode_server
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.lists(_messages(server), min_size=1, max_size=6))
     def run(msgs):
         for m in msgs:

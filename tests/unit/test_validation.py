@@ -7,6 +7,7 @@ Each numbered defect of the reliability issue that lives here is named in its te
 from __future__ import annotations
 
 import math
+import os
 
 import hypothesis.strategies as st
 import numpy as np
@@ -28,6 +29,13 @@ from phaseserve.engine.request import (
     validate,
 )
 from phaseserve.engine.scheduler import Scheduler, Sequence
+
+
+def examples(ci: int) -> int:
+    """Hypothesis examples per property: ``ci`` (bounded for CI), or ``PHASESERVE_HYPOTHESIS_EXAMPLES`` (the soak
+    benchmark's longer run)."""
+    return int(os.environ.get("PHASESERVE_HYPOTHESIS_EXAMPLES", ci))
+
 
 LIMITS = Limits(vocab_size=50, max_context=64, page_size=4, max_pages=16)
 
@@ -88,7 +96,7 @@ ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(
                 st.text(max_size=4), st.binary(max_size=3), st.lists(st.integers(-3, 60), max_size=4))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.fixed_dictionaries({}, optional={f: ANY for f in ("id", "prompt", "max_tokens", "temperature", "top_p",
                                                              "top_k", "seed", "stop_token_ids", "ignore_eos",
                                                              "tenant")}))
