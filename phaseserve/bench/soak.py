@@ -177,7 +177,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict:
         counters, got = soak_arm(model_cfg, params, _serve(base, kv, dataclasses.replace(small, preemption=mode),
                                                            spec.max_batch), spec, reqs)
         if kv not in replays:
-            valid = [r for r in reqs if r.id in got]
+            valid = [r for r in reqs if isinstance(r.id, str) and r.id in got]
             eng = Engine(model_cfg, params, _serve(base, kv, large, max(spec.max_batch, 64)))
             replays[kv] = {o.id: o.tokens for o in eng.generate(valid)}
         arms[arm] = dict(counters, replay=compare(got, replays[kv]))
