@@ -179,8 +179,16 @@ def test_stop_token_ends_generation(tiny, rng):
     assert agree["token_match"] > 0.9  # random-model near-ties may flip a token between the two in f32
 
 
-def test_cached_decode_step_matches_forward_logits(rng):
-    cfg = _tiny_mla()
+def _tiny_gqa() -> ModelConfig:
+    return ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=264, hidden_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=12, intermediate_size=64, qk_norm=True,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_layers=(False, True),
+                       max_position_embeddings=64, eos_token_ids=(257,))
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_cached_decode_step_matches_forward_logits(rng, attention):
+    cfg = _tiny_mla() if attention == "mla" else _tiny_gqa()
     params = ps.init_params(cfg, jax.random.key(int(rng.integers(2**31))))
     b, t = 3, 24
     tokens = jnp.asarray(rng.integers(0, 264, (b, t)), jnp.int32)
