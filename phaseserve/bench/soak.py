@@ -58,7 +58,7 @@ class SoakSpec:
     name: str = "soak"
     arms: list[str] = field(default_factory=lambda: ["float32/recompute", "float32/swap", "float8_e4m3fn/recompute",
                                                      "float8_e4m3fn/swap"])  # KV dtype / preemption mode
-    requests: int = 160  # valid and malformed together
+    requests: int = 400  # valid and malformed together
     num_pages: int = 40  # the small pool (null page included)
     replay_pages: int = 2048  # the large-budget replay's pool
     page_size: int = 4
@@ -74,7 +74,7 @@ class SoakSpec:
     arrivals_per_step: int = 2
     max_seconds: float = 300.0  # per arm: stop submitting after this (the run then drains)
     seed: int = 0
-    property_examples: int = 100  # Hypothesis examples per property test in the longer run (0: skip it)
+    property_examples: int = 200  # Hypothesis examples per property test in the longer run (0: skip it)
     property_tests: list[str] = field(default_factory=lambda: [
         "tests/unit/test_validation.py", "tests/e2e/test_serving_faults.py",
         "tests/e2e/test_reliability.py::test_property_arbitrary_requests_mixed_with_good_ones"])

@@ -239,8 +239,12 @@ class DecodeServer:
             if self.allocator.num_free < need:
                 return
             self.waiting.popleft()
-            self.tables.add(req.id)
-            pages = self.tables.allocate(req.id, need)
+            try:
+                self.tables.add(req.id)
+                pages = self.tables.allocate(req.id, need)
+            except Exception as e:  # this request alone (its table, if any, is released by _finish)
+                self._finish(seq, "error", e)
+                continue
             self._log("alloc", req.id, pages)
             self.pulls[req.id] = (seq, PendingPull(desc, time.monotonic() + self.spec.transfer_timeout_s))
             self.router_q.put(("serve", req.id, desc))

@@ -100,7 +100,7 @@ ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(
 @given(st.fixed_dictionaries({}, optional={f: ANY for f in ("id", "prompt", "max_tokens", "temperature", "top_p",
                                                              "top_k", "seed", "stop_token_ids", "ignore_eos",
                                                              "tenant")}))
-def test_arbitrary_field_values_pass_normalised_or_raise_a_request_error(fields):
+def test_property_arbitrary_field_values_pass_normalised_or_raise_a_request_error(fields):
     req = good(**fields)
     try:
         out = validate(req, LIMITS)
