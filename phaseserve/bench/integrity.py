@@ -9,7 +9,9 @@ check before every decode step, the per-row ok mask and finite guard inside it),
 :class:`~phaseserve.cache.integrity.NoopTracker` (the decode step is then traced without a tracker: same jaxpr as
 no tracker at all), so ``off`` and ``noop`` are two independently built engines on the same code path: their
 paired difference is an A/A measurement of the noise floor, against which the ``on`` overhead is judged.
-Throughput and p95 end-to-end latency deltas are paired within each repeat and reported with their spread.
+Throughput and p95 end-to-end latency deltas are paired within each repeat and judged through the bootstrap
+confidence interval of their median against the published 1% bound (:func:`phaseserve.bench.verdict.bound`); the
+A/A ratio is reported beside them as the measured noise.
 
 Fault matrix: each fault of :class:`~phaseserve.cache.faults.FaultInjector` is injected into a live batch (a
 fault hook before the ``inject_at_step``-th decode step, one victim request), with the tracker on and with the
@@ -21,6 +23,7 @@ run (collateral damage) -- the harm the check exists to prevent.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +31,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from phaseserve import figures
+from phaseserve.bench import publish
 from phaseserve.bench import report as rp
-from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired, progress_bar
+from phaseserve.bench import verdict as vd
+from phaseserve.bench.measure import (
+    Arm,
+    aggregate,
+    build_engines,
+    environment,
+    interleaved,
+    paired,
+    progress_bar,
+    stats,
+)
 from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
 from phaseserve.cache.faults import FaultInjector
@@ -39,8 +54,7 @@ from phaseserve.config_hydra import as_list, load_model, to_container
 FAULTS = ["point_at_free_page", "free_behind", "point_at_other", "point_out_of_range", "double_allocate",
           "poison_data", "poison_scale"]
 ARM_INTEGRITY = {"on": True, "off": False, "noop": False}
-METRICS = ["output_tok_per_s", "decode_tok_per_s", "e2e.p95", "tpot.p95", "tpot.p50", "integrity_checks", "compiles"]
-PUBLISHED = {"throughput_delta_max": 0.01, "p95_delta_max": 0.01, "input_tokens": 8192, "output_tokens": 1000}
+METRICS = ["output_tok_per_s", "decode_tok_per_s", "e2e.p95", "tpot.p95", "tpot.p50", "integrity_checks"]
 
 
 @dataclass
@@ -60,7 +74,6 @@ class IntegritySpec:
 
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     spec: IntegritySpec = experiment_spec(cfg, IntegritySpec)
-    out_dir = Path(out_dir)
     env = environment()
     arm_names = [str(a) for a in as_list(spec.arms)]
     for a in arm_names + list(spec.fault_trackers):
@@ -79,22 +92,15 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
 
     records = interleaved(engines, concs, int(spec.repeats), one, desc="integrity", progress=bool(cfg.progress))
     del engines
-    agg = aggregate(records, METRICS)
     ref = spec.reference if spec.reference in arm_names else arm_names[-1]
-    deltas = {a: {"throughput": paired(records, a, ref, "output_tok_per_s"),
-                  "e2e_p95": paired(records, a, ref, "e2e.p95"),
-                  "tpot_p95": paired(records, a, ref, "tpot.p95")} for a in arm_names if a != ref}
     matrix = fault_matrix(cfg, model_cfg, params, spec, log) if spec.faults and spec.fault_trackers else {}
     results = {"experiment": "integrity", "environment": env, "settings": {
         "model": to_container(cfg.model), "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv),
         "repeats": spec.repeats, "arms": arm_names, "reference": ref, "mode": cfg.engine.mode,
         "fault_settings": {k: getattr(spec, k) for k in ("faults", "fault_trackers", "fault_trials", "fault_requests",
                                                           "fault_prompt", "fault_output", "inject_at_step")}},
-        "aggregate": agg, "deltas": deltas, "fault_matrix": matrix, "published": PUBLISHED, "records": records}
-    results["headline"] = _headline(results, concs, ref)
-    plots = _plots(out_dir, agg, arm_names, concs)
-    rp.write_outputs(out_dir, cfg, results, _markdown(results, arm_names, concs, ref, plots))
-    log(f"integrity: wrote {out_dir}")
+        "fault_matrix": matrix, "records": records}
+    publish.publish(out_dir, results, sys.modules[__name__], cfg, log)
     return results
 
 
@@ -210,148 +216,96 @@ def _trial(eng, reqs, ref, kind, victim, other, step, tracker, t) -> dict:
     return rec
 
 
-# ---- report -----------------------------------------------------------------------------------------------
-def within_noise(on: dict, aa: dict | None) -> bool | None:
-    """Is a paired on/off effect unresolved? Resolved means every repeat moved the same way (at least 3 repeats)
-    and the median effect exceeds the median A/A (noop vs off) difference of the same point."""
-    if on.get("median") is None:
-        return None
-    same_sign = on["n"] >= 3 and (on["min"] > 1 or on["max"] < 1)
-    aa_med = abs(aa["median"] - 1) if aa and aa.get("median") is not None else 0.0
-    return not (same_sign and abs(on["median"] - 1) > aa_med)
+# ---- derived from the raw results (re-renderable from results.json) -------------------------------------------
+def summarize(res: dict, out_dir: Path | None = None) -> dict:
+    s, records, m = res["settings"], res["records"], res["fault_matrix"]
+    names, ref, concs = s["arms"], s["reference"], s["concurrency"]
+    agg = aggregate(records, METRICS)
+    deltas = {a: {"throughput": paired(records, a, ref, "output_tok_per_s"),
+                  "e2e_p95": paired(records, a, ref, "e2e.p95"),
+                  "tpot_p95": paired(records, a, ref, "tpot.p95")} for a in names if a != ref}
+    limit = figures.value("integrity.max_delta")
+    outcomes = {a: {k: {c: vd.bound(d[k][c], limit) for c in concs} for k in d} for a, d in deltas.items()}
+    verdicts = []
+    if m and "on" in m["totals"]:
+        t = m["totals"]["on"]
+        ok = t["detected"] == t["injected"] > 0 and not t["false_positives"]
+        verdicts.append(vd.Verdict("faults caught with the check on (detected / injected, false positives)",
+                                   f"{t['detected']} / {t['injected']}, {t['false_positives']}",
+                                   "every fault, no false positive", vd.REPRODUCED if ok else vd.NOT_REPRODUCED))
+    if "on" in deltas:
+        c = concs[-1]
+        for key, label in (("throughput", "throughput"), ("e2e_p95", "p95 latency")):
+            verdicts.append(vd.Verdict(f"check on/off {label} at concurrency {c}", vd.ratio_text(deltas["on"][key][c]),
+                                       f"within {100 * limit:g}%", outcomes["on"][key][c]))
+    return {"aggregate": agg, "deltas": deltas, "outcomes": outcomes, "verdicts": [v.to_dict() for v in verdicts],
+            "load": stats([r.get("load_1m") for r in records]),
+            "reruns": sum(r.get("reruns", 0) for r in records)}
 
 
-def _headline(res: dict, concs: list[int], ref: str) -> dict:
-    out = {}
-    aa = res["deltas"].get("noop")
-    for a, d in res["deltas"].items():
-        out[a] = {"throughput_delta_by_concurrency": {c: d["throughput"][c]["median"] for c in concs},
-                  "p95_delta_by_concurrency": {c: d["e2e_p95"][c]["median"] for c in concs},
-                  "throughput_within_noise": {c: within_noise(d["throughput"][c], aa["throughput"][c] if aa else None)
-                                              for c in concs},
-                  "aa_max_abs_throughput_delta": max((abs(v - 1) for c in concs for v in aa["throughput"][c]["values"]),
-                                                     default=None) if aa else None}
-    m = res["fault_matrix"]
-    if m:
-        out["faults"] = m["totals"]
-    return out
-
-
-def _plots(out_dir: Path, agg: dict, names: list[str], concs: list[int]) -> list[str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rp.line_plot(out_dir / "throughput.png", rp.metric_series(agg, "output_tok_per_s", names, concs),
-                 xlabel="concurrency", ylabel="output tokens/s", title="Integrity check: throughput (band = spread)")
-    rp.line_plot(out_dir / "e2e_p95.png", rp.metric_series(agg, "e2e.p95", names, concs), xlabel="concurrency",
-                 ylabel="end-to-end latency p95 (s)", title="Integrity check: p95 latency (band = spread)")
+def plots(out_dir: Path, res: dict, summary: dict) -> list[str]:
+    s, agg = res["settings"], summary["aggregate"]
+    band = "median; band = min..max over repeats" if s["repeats"] > 1 else "one repeat"
+    rp.line_plot(out_dir / "throughput.png", rp.metric_series(agg, "output_tok_per_s", s["arms"], s["concurrency"]),
+                 xlabel="concurrency", ylabel="output tokens/s", title=f"Integrity check: throughput ({band})")
+    rp.line_plot(out_dir / "e2e_p95.png", rp.metric_series(agg, "e2e.p95", s["arms"], s["concurrency"]),
+                 xlabel="concurrency", ylabel="end-to-end latency p95 (s)",
+                 title=f"Integrity check: p95 latency ({band})")
     return ["throughput.png", "e2e_p95.png"]
 
 
-def _markdown(res: dict, names: list[str], concs: list[int], ref: str, plots: list[str]) -> str:
-    s, agg, deltas = res["settings"], res["aggregate"], res["deltas"]
-    lines = ["# Page-tag integrity check: overhead and fault detection", ""]
-    for a, d in deltas.items():
-        lines.append(f"- **{a} vs {ref}** (paired within each repeat, median [min, max]): throughput "
-                     + "; ".join(f"c={c}: {rp.pct_spread(d['throughput'][c])}" for c in concs)
-                     + " — p95 latency " + "; ".join(f"c={c}: {rp.pct_spread(d['e2e_p95'][c])}" for c in concs))
-    m = res["fault_matrix"]
-    if m:
-        for arm, tot in m["totals"].items():
-            lines.append(f"- **Faults, tracker {arm}**: {tot['injected']} injected, {tot['detected']} detected, "
-                         f"{tot['missed']} missed, {tot['false_positives']} false positives; victims' tokens silently "
-                         f"changed {tot['victim_tokens_silently_changed']}, other requests' tokens changed "
-                         f"{tot['others_tokens_changed']}.")
-    lines += ["", "## Setup", "",
-              f"- model `{s['model'].get('name')}`; mode {s['mode']}; KV {s['kv']}; "
-              f"workload `{s['workload']['name']}`: "
-              f"prompt {s['workload']['prompt']['mean']}, output {s['workload']['output']['mean']} tokens "
-              f"(published: 8,192 / 1,000 on a GPU; the CPU model's context is far shorter); concurrency {concs}; "
-              f"{s['repeats']} interleaved repeats, order rotated",
+def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
+    s, agg, deltas, m = res["settings"], summary["aggregate"], summary["deltas"], res["fault_matrix"]
+    names, ref, concs = s["arms"], s["reference"], s["concurrency"]
+    lines = ["# Page-tag integrity check: overhead and fault detection", "",
+             "Verdicts (paired ratios: median, 95% bootstrap CI of the median, min..max over repeats):", ""]
+    lines += [f"- {vd.Verdict(**v).line()}" for v in summary["verdicts"]] + [""]
+    lines += ["## Setup", "",
+              f"- model `{s['model'].get('name')}`; mode {s['mode']}; KV {s['kv']}; workload `{s['workload']['name']}`:"
+              f" prompt {s['workload']['prompt']['mean']}, output {s['workload']['output']['mean']} tokens "
+              f"(published: {figures.value('integrity.input_tokens'):,.0f} / "
+              f"{figures.value('integrity.output_tokens'):,.0f}); concurrency {concs}; {s['repeats']} interleaved "
+              f"repeats, order rotated; timed runs repeated because JAX compiled inside them: {summary['reruns']}; "
+              f"machine load (1-minute load average) over the timed runs {rp.spread(summary['load'])} on "
+              f"{res['environment'].get('cpu_cores')} cores",
               "- arms: `on` = integrity check; `off` = `cache.integrity=false`, which installs the no-op tracker; "
               "`noop` = a second, independently built engine on that same code path, so `noop` vs `off` is an A/A "
-              "measurement of the noise floor", ""]
-    rows = []
-    for c in concs:
-        for a in names:
-            x = agg[a][c]
-            rows.append([c, a, rp.spread(x["output_tok_per_s"]), rp.fmt(x["output_tok_per_s"]["rel_spread"]),
-                         rp.spread(x["e2e.p95"]), rp.spread(x["tpot.p95"]), rp.fmt(x["integrity_checks"]["median"]),
-                         rp.fmt(x["compiles"]["max"])])
-    lines += ["## Overhead sweep (medians; [min, max] over repeats)", "", rp.markdown_table(
-        ["concurrency", "arm", "output tok/s", "rel. spread", "e2e p95 (s)", "TPOT p95 (s)", "rows checked",
-         "compiles in timed run"], rows), ""]
+              "measurement of the noise", ""]
+    rows = [[c, a, rp.spread(agg[a][c]["output_tok_per_s"]), rp.spread(agg[a][c]["e2e.p95"]),
+             rp.spread(agg[a][c]["tpot.p95"]), rp.fmt(agg[a][c]["integrity_checks"]["median"])]
+            for c in concs for a in names]
+    lines += ["## Overhead sweep (median [min, max] over repeats)", "", rp.markdown_table(
+        ["concurrency", "arm", "output tok/s", "e2e p95 (s)", "TPOT p95 (s)", "rows checked"], rows), ""]
     for a, d in deltas.items():
-        lines += [f"### {a} / {ref}, paired within each repeat", "", rp.markdown_table(
-            ["concurrency", "throughput", "e2e p95", "TPOT p95"],
-            [[c, rp.pct_spread(d["throughput"][c]), rp.pct_spread(d["e2e_p95"][c]), rp.pct_spread(d["tpot_p95"][c])]
+        lines += [f"### {a} / {ref}, paired within each repeat (median, 95% CI, range; outcome vs the published "
+                  "1% bound)", "", rp.markdown_table(
+            ["concurrency", "throughput", "outcome", "e2e p95", "outcome", "TPOT p95"],
+            [[c, vd.ratio_text(d["throughput"][c]), summary["outcomes"][a]["throughput"][c],
+              vd.ratio_text(d["e2e_p95"][c]), summary["outcomes"][a]["e2e_p95"][c], vd.ratio_text(d["tpot_p95"][c])]
              for c in concs]), ""]
+    if "on" in agg and ref in agg:
+        lines += ["Time the check adds to a decode step (TPOT p50, on minus off, medians): " + "; ".join(
+            f"c={c}: {1000 * (agg['on'][c]['tpot.p50']['median'] - agg[ref][c]['tpot.p50']['median']):+.2f} ms on "
+            f"{1000 * agg[ref][c]['tpot.p50']['median']:.1f} ms" for c in concs
+            if agg["on"][c]["tpot.p50"]["median"] is not None and agg[ref][c]["tpot.p50"]["median"]) + ".", ""]
     if m:
         fs = s["fault_settings"]
         lines += ["## Fault-injection matrix (victims only)", "",
                   f"{fs['fault_trials']} trial(s) per fault and tracker, each a live batch of {fs['fault_requests']} "
                   f"requests ({fs['fault_prompt']} prompt + {fs['fault_output']} output tokens), one victim, the "
                   f"fault injected before decode step {fs['inject_at_step']} + trial.", ""]
-        rows = []
-        for kind, by in m["table"].items():
-            for arm, x in by.items():
-                rows.append([kind, arm, x["injected"], x["detected"], x["missed"], x["false_positives"],
-                             x["victim_tokens_silently_changed"], x["others_tokens_changed"], x["leaked_pages"]])
+        rows = [[kind, arm, x["injected"], x["detected"], x["missed"], x["false_positives"],
+                 x["victim_tokens_silently_changed"], x["others_tokens_changed"], x["leaked_pages"]]
+                for kind, by in m["table"].items() for arm, x in by.items()]
         lines += [rp.markdown_table(["fault", "tracker", "injected", "detected", "missed", "false positives",
                                      "victim tokens silently changed", "others' tokens changed", "leaked pages"],
                                     rows), ""]
-        lines.append("Engine state after the matrix (fault-free rerun equals the reference): "
-                     f"{m['clean_after_matrix']}."
+        on_trials = [x for x in m["trials"] if x["tracker"] == "on"]
+        lines.append(f"Caught in the step that first reads the bad page: "
+                     f"{sum(x['caught_at_injection_step'] for x in on_trials)} of "
+                     f"{sum(x['injected'] for x in on_trials)}. Engine state after the matrix (fault-free rerun equals "
+                     f"the reference): {m['clean_after_matrix']}."
                      + (f" Skipped (BF16 pool has no scales): {m['skipped']}." if m["skipped"] else ""))
         lines.append("")
-    lines += ["## Against the published shape", ""] + _notes(res, concs, ref) + [""]
-    lines += [f"![{p}]({p})" for p in plots] + ["", rp.environment_section(res["environment"]), ""]
+    lines += [f"![{p}]({p})" for p in plot_files] + ["", rp.environment_section(res["environment"]), ""]
     return "\n".join(lines)
-
-
-def _notes(res: dict, concs: list[int], ref: str) -> list[str]:
-    """The on-vs-off deltas judged against the A/A (noop vs off) deltas measured in the same run."""
-    out = []
-    d_on, d_aa = res["deltas"].get("on"), res["deltas"].get("noop")
-    for label, key in (("throughput", "throughput"), ("p95 latency", "e2e_p95")):
-        if not d_on:
-            break
-        parts = []
-        for c in concs:
-            on = d_on[key][c]
-            if on["median"] is None:
-                continue
-            aa = d_aa[key][c] if d_aa else None
-            within = within_noise(on, aa)
-            parts.append(f"c={c}: {rp.pct_spread(on)}" + (f" vs A/A {rp.pct_spread(aa)}" if aa else "")
-                         + (" — within noise" if within else " — outside noise"))
-        out.append(f"- on vs {ref}, {label} (paired; 'outside noise' = every repeat moved the same way and the median "
-                   "exceeds the A/A median): " + "; ".join(parts) + ".")
-    agg = res["aggregate"]
-    if d_on and "on" in agg and ref in agg:
-        added = []
-        for c in concs:
-            on, off = agg["on"][c]["tpot.p50"]["median"], agg[ref][c]["tpot.p50"]["median"]
-            if on is not None and off:
-                added.append(f"c={c}: {1000 * (on - off):+.2f} ms on {1000 * off:.1f} ms ({rp.pct(on / off)})")
-        out.append("- Time the check adds to a decode step (TPOT p50, on minus off): " + "; ".join(added) + ". "
-                   "Published: under 1% on 8,192-token inputs with 1,000-token outputs on GPUs. The check is one "
-                   "extra small jitted launch per decode step (a gather of every row's page tags, a compare) plus a "
-                   "finite guard on each layer's attention output inside the step; its work grows with the rows and "
-                   "pages of the batch, not with the KV bytes a step reads, so its share is largest where steps are "
-                   "short -- as on this CPU with a 256-position model -- and smallest for 8k-token contexts. Read "
-                   "each delta against the A/A delta of the same concurrency.")
-    m = res["fault_matrix"]
-    if m and "on" in m["totals"]:
-        t = m["totals"]["on"]
-        out.append(f"- Detection: with the check on, {t['detected']} of {t['injected']} injected faults were caught "
-                   f"(each in the step that would first read the bad page: "
-                   f"{sum(x['caught_at_injection_step'] for x in m['trials'] if x['tracker'] == 'on')} of "
-                   f"{sum(x['injected'] for x in m['trials'] if x['tracker'] == 'on')}) with {t['false_positives']} "
-                   "false positives and no other request's tokens changed.")
-    if m and "noop" in m["totals"]:
-        t = m["totals"]["noop"]
-        out.append(f"- With the no-op tracker none of the {t['injected']} faults is detected (by construction); "
-                   f"{t['victim_tokens_silently_changed']} victims returned different tokens with no error and "
-                   f"{t['others_tokens_changed']} other requests' outputs changed: the harm the check exists to "
-                   "prevent. In the other trials the wrong page happened to still hold the right bytes (e.g. a page "
-                   "freed behind the victim's back was not handed to anyone else before it finished): silent luck.")
-    return out

@@ -7,9 +7,11 @@ repeat-to-repeat spread. Absolute times are machine facts, not results.
 
 - :class:`Arm`: a name and the dotted config overrides that make it (``{"quant.kv": "float8_e4m3fn"}``).
 - :func:`build_engines`: one engine per arm from one set of weights, each warmed up (every shape compiled).
-- :func:`interleaved`: the sweep loop (repeats x points x rotated arms) with a progress bar; each record also
-  counts the compilations that happened during its timed run (should be 0 after the warmup).
-- :func:`aggregate` / :func:`paired`: medians with min/max per (arm, point), and per-repeat paired ratios.
+- :func:`interleaved`: the sweep loop (repeats x points x rotated arms) with a progress bar; a timed run in which
+  JAX compiled anything is run once more (the shape is compiled now) and a second compile raises
+  :class:`CompileInTimedRun`: no timed window contains a compilation.
+- :func:`aggregate` / :func:`paired`: medians with min/max per (arm, point), and per-repeat paired ratios with a
+  bootstrap confidence interval of their median (``scipy.stats.bootstrap``).
 - :func:`environment`: date, machine, load, versions, git commit; stored with every result.
 """
 
@@ -31,6 +33,10 @@ from phaseserve.bench.schema import with_overrides
 from phaseserve.bench.workload import check_fits, warmup
 from phaseserve.config_hydra import REPO_ROOT, serve_config
 from phaseserve.engine import Engine
+
+
+class CompileInTimedRun(RuntimeError):
+    """JAX compiled during a timed run even after that run was repeated (a shape the warm-up missed)."""
 
 
 @dataclass
@@ -113,8 +119,9 @@ def progress_bar(total: int, desc: str, enabled: bool):
 def interleaved(engines: dict[str, Engine], points: list[Any], repeats: int,
                 run: Callable[[Engine, str, Any, int], dict], *, desc: str, progress: bool = True) -> list[dict]:
     """For each repeat and point, run every arm once (order rotated); ``run(engine, arm, point, repeat)`` returns
-    a record dict. Adds ``arm``, ``point``, ``repeat``, ``order``, ``compiles`` and the machine's 1-minute load
-    average (``load_1m``: other processes on a shared machine are the main source of noise) to each record."""
+    a record dict. Adds ``arm``, ``point``, ``repeat``, ``order``, ``compiles`` (0: asserted), ``reruns`` (timed runs
+    discarded because JAX compiled inside them) and the machine's 1-minute load average (``load_1m``: other
+    processes on a shared machine are the main source of noise) to each record."""
     names = list(engines)
     records = []
     with progress_bar(repeats * len(points) * len(names), desc, progress) as bar:
@@ -122,13 +129,26 @@ def interleaved(engines: dict[str, Engine], points: list[Any], repeats: int,
             for j, point in enumerate(points):
                 for order, name in enumerate(rotated(names, rep + j)):
                     bar.set_postfix_str(f"{name} @ {point} (repeat {rep + 1}/{repeats})")
-                    before = CompileCounter.count()
-                    rec = run(engines[name], name, point, rep)
-                    rec.update(arm=name, point=point, repeat=rep, order=order,
-                               compiles=CompileCounter.count() - before, load_1m=round(os.getloadavg()[0], 2))
+                    rec, reruns = compile_free(lambda n=name, p=point, r=rep: run(engines[n], n, p, r),
+                                               f"{name} @ {point}, repeat {rep}")
+                    rec.update(arm=name, point=point, repeat=rep, order=order, compiles=0, reruns=reruns,
+                               load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
                     bar.update(1)
     return records
+
+
+def compile_free(timed: Callable[[], dict], what: str) -> tuple[dict, int]:
+    """``(timed(), reruns)``: a run during which JAX compiled is discarded and run again once (its shapes are
+    compiled now); a compile in the second run raises :class:`CompileInTimedRun`."""
+    for attempt in range(2):
+        before = CompileCounter.count()
+        rec = timed()
+        compiled = CompileCounter.count() - before
+        if not compiled:
+            return rec, attempt
+    raise CompileInTimedRun(f"{what}: {compiled} compilation(s) inside the timed run, twice in a row (the warm-up "
+                            "does not cover a shape this run reaches)")
 
 
 # ---- statistics -------------------------------------------------------------------------------------------
@@ -142,13 +162,33 @@ def dig(record: dict, metric: str) -> float | None:
     return None if v is None else float(v)
 
 
-def stats(values: list[float | None]) -> dict:
+def stats(values: list[float | None], ci: bool = False) -> dict:
+    """Median, min, max, count and relative spread of the non-None values; with ``ci`` also the 95% bootstrap
+    confidence interval of the median (``ci_low`` / ``ci_high``; None below 3 values)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return {"median": None, "min": None, "max": None, "n": 0, "rel_spread": None}
     med = float(np.median(vals))
-    return {"median": med, "min": float(min(vals)), "max": float(max(vals)), "n": len(vals),
-            "rel_spread": (max(vals) - min(vals)) / med if med else None}
+    out = {"median": med, "min": float(min(vals)), "max": float(max(vals)), "n": len(vals),
+           "rel_spread": (max(vals) - min(vals)) / med if med else None}
+    if ci:
+        out["ci_low"], out["ci_high"] = median_ci(vals)
+    return out
+
+
+def median_ci(values: list[float], confidence: float = 0.95, seed: int = 0) -> tuple[float | None, float | None]:
+    """Percentile-bootstrap confidence interval of the median (``scipy.stats.bootstrap``); (None, None) below 3
+    values. Identical values give a zero-width interval."""
+    from scipy.stats import bootstrap
+
+    x = np.asarray(values, float)
+    if x.size < 3:
+        return None, None
+    if np.all(x == x[0]):
+        return float(x[0]), float(x[0])
+    res = bootstrap((x,), np.median, confidence_level=confidence, method="percentile", n_resamples=2000,
+                    random_state=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def aggregate(records: list[dict], metrics: list[str]) -> dict[str, dict[Any, dict[str, dict]]]:
@@ -164,7 +204,8 @@ def aggregate(records: list[dict], metrics: list[str]) -> dict[str, dict[Any, di
 
 
 def paired(records: list[dict], num: str, den: str, metric: str) -> dict[Any, dict]:
-    """Per point: stats of ``metric[num] / metric[den]`` computed within each repeat (adjacent runs)."""
+    """Per point: stats of ``metric[num] / metric[den]`` computed within each repeat (adjacent runs), with the
+    bootstrap confidence interval of their median."""
     out = {}
     for point in dict.fromkeys(r["point"] for r in records):
         ratios = []
@@ -173,7 +214,7 @@ def paired(records: list[dict], num: str, den: str, metric: str) -> dict[Any, di
             b = [dig(r, metric) for r in records if (r["arm"], r["point"], r["repeat"]) == (den, point, rep)]
             if a and b and a[0] is not None and b[0]:
                 ratios.append(a[0] / b[0])
-        out[point] = stats(ratios) | {"values": ratios}
+        out[point] = stats(ratios, ci=True) | {"values": ratios}
     return out
 
 

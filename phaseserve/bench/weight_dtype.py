@@ -1,40 +1,42 @@
-"""Experiment 2: FP8 vs INT4 weights — decode throughput across concurrency and prefill prompt tokens/s.
+"""Experiment 2: FP8 vs INT4 weights -- bytes per decode token, decode throughput across concurrency, prefill.
 
-Published shape (GLM-5.x, 8-way TP): INT4 weights (routed experts INT4, the rest BF16) instead of FP8 shrink the
-checkpoint 705 -> 421 GB and speed decode up (60 -> 92 tok/s at concurrency 1; +16% to +55% across
-concurrencies) because decode is bound by reading weights; prefill, bound by matrix units, loses (FP8 ~10,160
-prompt tok/s vs INT4 ~8,660) because INT4 weights must be expanded before the matmul.
+Published shape (GLM-5.x, 8-way TP; figures in :mod:`phaseserve.figures`): INT4 weights (routed experts INT4,
+the rest BF16) instead of FP8 shrink the checkpoint 705 -> 421 GB and speed decode up (60 -> 92 tok/s at
+concurrency 1; +16% to +55% across concurrencies); prefill loses (FP8 ~10,160 prompt tok/s vs INT4 ~8,660).
 
-Measured here in one process: one engine per weight policy (each applied to both phases: ``fp8`` = every matmul
-FP8 e4m3 with 128x128 block scales, ``int4`` = routed experts INT4 with BF16 group scales and the rest BF16, as
-:func:`phaseserve.quant.policy.phase_policy` defines them), the same KV dtype; interleaved repeats of a decode
-sweep over ``workload.concurrency`` (decode-step tokens/s: decode steps only) and of a prefill-only run
-(``max_tokens = 1``: prompt tokens / prefill time). On the CPU the XLA reference path dequantizes INT4 (and
-FP8) weights to BF16 in full before every matmul -- XLA on CPU does not fuse the expansion into the matmul -- so
-the CPU cannot show the bandwidth saving that makes INT4 decode faster on a GPU; the report says so with the
-numbers.
+The model (``configs/experiment/weight_dtype.yaml``) is a random-weight model of the default architecture with
+many experts, so that routed experts are >90% of the FP8 bytes as in GLM-5 and Kimi K2 (the shipped 3.8M-param
+model has 59%). Measured in one process: one engine per weight policy (each applied to both phases), the same
+KV dtype; the bytes of the decode weights each engine actually holds (``size_report`` of its decode params, by
+tensor class); interleaved repeats of a decode sweep over ``workload.concurrency`` (decode-step tokens/s) and of a
+prefill-only run (``max_tokens = 1``: prompt tokens / prefill time).
+
+Bytes read per decode step are counted two ways from those weights: ``all experts`` (what this engine's XLA path
+reads: ``quant.grouped_dense`` dequantizes the whole expert tensor of a layer every step) and ``routed``
+(a kernel that reads only the experts the batch selects: ``E * (1 - (1 - k/E)^B)`` per layer under uniform routing).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from phaseserve import figures
+from phaseserve.bench import publish
 from phaseserve.bench import report as rp
-from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired
+from phaseserve.bench import verdict as vd
+from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired, stats
 from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
 from phaseserve.config_hydra import as_list, load_model, to_container
-from phaseserve.quant.size_report import preset_report, size_report
+from phaseserve.quant.size_report import size_report
 
-PUBLISHED = {"decode_c1_fp8_tok_s": 60, "decode_c1_int4_tok_s": 92, "decode_gain_range": [0.16, 0.55],
-             "prefill_fp8_tok_s": 10160, "prefill_int4_tok_s": 8660, "prefill_ratio": 8660 / 10160,
-             "checkpoint_gb": {"fp8": 705, "int4": 421}}
 METRICS = ["decode_tok_per_s", "output_tok_per_s", "tpot.p50", "tpot.p95", "e2e.p95", "prefill_tok_per_s",
-           "peak_concurrency", "compiles"]
+           "peak_concurrency"]
 PREFILL = "prefill"
 
 
@@ -48,9 +50,23 @@ class WeightDtypeSpec:
     prefill_requests: int = 16  # requests per prefill run
 
 
+def published() -> dict[str, float]:
+    return {"decode_c1_ratio": figures.ratio("glm5.decode_c1_tok_s.int4", "glm5.decode_c1_tok_s.fp8"),
+            "decode_gain_min": figures.value("glm5.decode_gain.min"),
+            "decode_gain_max": figures.value("glm5.decode_gain.max"),
+            "prefill_ratio": figures.ratio("glm5.prefill_tok_s.int4", "glm5.prefill_tok_s.fp8"),
+            "checkpoint_ratio": figures.gib("glm5.checkpoint.int4") / figures.gib("glm5.checkpoint.fp8")}
+
+
+def weight_bytes(params: Any) -> dict[str, Any]:
+    """Stored bytes of a params tree, total and by tensor class (scales included)."""
+    rep = size_report(params)
+    return {"total": rep.total_bytes, "by_class": rep.by_class(), "by_rep": rep.by_rep(),
+            "routed_experts": rep.bytes_of("routed_experts")}
+
+
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     spec: WeightDtypeSpec = experiment_spec(cfg, WeightDtypeSpec)
-    out_dir = Path(out_dir)
     env = environment()
     weights = [str(x) for x in as_list(spec.weights)]
     concs = concurrencies(cfg.workload)
@@ -63,12 +79,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     arms = [Arm(x, {"quant.prefill_weights": x, "quant.decode_weights": x}) for x in weights]
     max_c = max(concs + [int(spec.prefill_requests)])
     engines = build_engines(cfg, model_cfg, params, arms, max_concurrency=max_c, workloads=[w, pre_w], log=log)
-    sizes = {}
-    for name, eng in engines.items():
-        dec, pre = size_report(eng.decode_params), size_report(eng.prefill_params)
-        sizes[name] = {"decode_weight_bytes": dec.total_bytes, "prefill_weight_bytes": pre.total_bytes,
-                       "decode_by_class": dec.by_class(), "decode_by_rep": dec.by_rep(),
-                       "routed_expert_share": dec.bytes_of("routed_experts") / max(dec.total_bytes, 1)}
+    sizes = {name: {"decode": weight_bytes(eng.decode_params), "prefill": weight_bytes(eng.prefill_params)}
+             for name, eng in engines.items()}
 
     def one(eng, arm, point, rep):
         if point == PREFILL:
@@ -79,115 +91,116 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                              tag=f"c{point}r{rep}")
         return drive(eng, reqs, point, str(w.arrival), float(w.rate), seed=rep)
 
-    points = concs + [PREFILL]
-    records = interleaved(engines, points, int(spec.repeats), one, desc="weight_dtype", progress=bool(cfg.progress))
-    agg = aggregate(records, METRICS)
+    records = interleaved(engines, concs + [PREFILL], int(spec.repeats), one, desc="weight_dtype",
+                          progress=bool(cfg.progress))
     ref = spec.reference if spec.reference in weights else weights[0]
-    ratios = {n: {"decode": paired(records, n, ref, "decode_tok_per_s"),
-                  "output": paired(records, n, ref, "output_tok_per_s"),
-                  "prefill": paired([r for r in records if r["point"] == PREFILL], n, ref, "prefill_tok_per_s")}
-              for n in weights if n != ref}
-    headline = {}
-    for n, r in ratios.items():
-        dec = [r["decode"][c]["median"] for c in concs if r["decode"][c]["median"] is not None]
-        headline[n] = {"decode_ratio_c1": r["decode"].get(concs[0], {}).get("median"),
-                       "decode_ratio_min": min(dec) if dec else None, "decode_ratio_max": max(dec) if dec else None,
-                       "prefill_ratio": r["prefill"][PREFILL]["median"],
-                       "prefill_range": [r["prefill"][PREFILL]["min"], r["prefill"][PREFILL]["max"]],
-                       "decode_points": len(concs),
-                       "decode_clear_wins": sum(1 for c in concs if (r["decode"][c]["min"] or 0) > 1),
-                       "decode_clear_losses": sum(1 for c in concs if (r["decode"][c]["max"] or 2) < 1),
-                       "decode_weight_bytes_ratio": sizes[n]["decode_weight_bytes"] / sizes[ref]["decode_weight_bytes"]}
-    glm = preset_report("glm-5", "glm-fp8")
-    glm_share = glm.bytes_of("routed_experts") / glm.total_bytes
-    results = {"experiment": "weight_dtype", "environment": env, "glm5_fp8_routed_expert_share": glm_share,
-               "settings": {
-        "model": to_container(cfg.model), "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv),
-        "repeats": spec.repeats, "prefill_prompt": spec.prefill_prompt, "prefill_requests": spec.prefill_requests,
-        "mode": cfg.engine.mode, "reference": ref}, "weights": sizes, "aggregate": agg, "ratios": ratios,
-        "headline": headline, "published": PUBLISHED, "records": records}
-    plots = _plots(out_dir, agg, weights, concs)
-    rp.write_outputs(out_dir, cfg, results, _markdown(results, weights, concs, ref, plots))
-    log(f"weight_dtype: wrote {out_dir}")
+    results = {"experiment": "weight_dtype", "environment": env, "settings": {
+        "model": to_container(cfg.model), "num_experts": model_cfg.num_experts,
+        "experts_per_token": model_cfg.num_experts_per_tok, "moe_layers": sum(model_cfg.moe_layers),
+        "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv), "repeats": spec.repeats,
+        "prefill_prompt": spec.prefill_prompt, "prefill_requests": spec.prefill_requests, "mode": cfg.engine.mode,
+        "weights": weights, "reference": ref}, "weights": sizes, "records": records}
+    publish.publish(out_dir, results, sys.modules[__name__], cfg, log)
     return results
 
 
-def _plots(out_dir: Path, agg: dict, names: list[str], concs: list[int]) -> list[str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
+# ---- derived from the raw results (re-renderable from results.json) -------------------------------------------
+def bytes_per_step(sizes: dict, settings: dict, concurrency: int) -> dict[str, float]:
+    """Decode weight bytes read per step at ``concurrency``: all experts (this engine's path) and routed only."""
+    d = sizes["decode"]
+    experts, rest = d["routed_experts"], d["total"] - d["routed_experts"]
+    e, k = max(settings["num_experts"], 1), settings["experts_per_token"]
+    touched = 1.0 - (1.0 - k / e) ** concurrency
+    return {"all_experts": float(d["total"]), "routed": rest + experts * touched}
+
+
+def summarize(res: dict, out_dir: Path | None = None) -> dict:
+    s, sizes, records = res["settings"], res["weights"], res["records"]
+    names, ref, concs = s["weights"], s["reference"], s["concurrency"]
+    agg = aggregate(records, METRICS)
+    pre = [r for r in records if r["point"] == PREFILL]
+    dec = [r for r in records if r["point"] != PREFILL]
+    ratios = {n: {"decode": paired(dec, n, ref, "decode_tok_per_s"),
+                  "prefill": paired(pre, n, ref, "prefill_tok_per_s")[PREFILL]} for n in names if n != ref}
+    byte_rows = {n: {c: bytes_per_step(sizes[n], s, c) for c in concs} for n in names}
+    pub = published()
+    verdicts = []
+    for n, r in ratios.items():
+        b_ratio = sizes[n]["decode"]["total"] / sizes[ref]["decode"]["total"]
+        share = sizes[ref]["decode"]["routed_experts"] / sizes[ref]["decode"]["total"]
+        verdicts.append(vd.Verdict(
+            f"{n}/{ref} decode weight bytes read per token (routed experts {100 * share:.0f}% of {ref}'s bytes)",
+            f"x{b_ratio:.3f} ({sizes[n]['decode']['total'] / 2**20:.2f} / {sizes[ref]['decode']['total'] / 2**20:.2f}"
+            " MiB, every concurrency)", f"checkpoint x{pub['checkpoint_ratio']:.3f}",
+            vd.REPRODUCED + " in direction" if b_ratio < 1 else vd.NOT_REPRODUCED))
+        for c in (concs[0], concs[-1]) if len(concs) > 1 else concs:
+            want = pub["decode_c1_ratio"] if c == concs[0] else 1 + pub["decode_gain_min"]
+            label = (f"{rp.pct(pub['decode_c1_ratio'])} at concurrency 1" if c == concs[0]
+                     else f"{rp.pct(1 + pub['decode_gain_min'])}..{rp.pct(1 + pub['decode_gain_max'])} across")
+            verdicts.append(vd.Verdict(f"{n}/{ref} decode-step tok/s at concurrency {c}",
+                                       vd.ratio_text(r["decode"][c]), label, vd.direction(r["decode"][c], want)))
+        verdicts.append(vd.Verdict(f"{n}/{ref} prefill prompt tok/s", vd.ratio_text(r["prefill"]),
+                                   rp.pct(pub["prefill_ratio"]), vd.direction(r["prefill"], pub["prefill_ratio"])))
+    return {"aggregate": agg, "ratios": ratios, "bytes_per_step": byte_rows, "published": pub,
+            "verdicts": [v.to_dict() for v in verdicts], "load": stats([r.get("load_1m") for r in records]),
+            "reruns": sum(r.get("reruns", 0) for r in records)}
+
+
+def plots(out_dir: Path, res: dict, summary: dict) -> list[str]:
+    s, agg = res["settings"], summary["aggregate"]
+    names, concs = s["weights"], s["concurrency"]
+    spread = s["repeats"] > 1
+    band = "median; band = min..max over repeats" if spread else "one repeat"
     rp.line_plot(out_dir / "decode_throughput.png", rp.metric_series(agg, "decode_tok_per_s", names, concs),
                  xlabel="concurrency", ylabel="decode-step tokens/s",
-                 title="Decode throughput by weight representation")
+                 title=f"Decode throughput by weight representation ({band})")
     pre = {n: ([agg[n][PREFILL]["prefill_tok_per_s"]["median"]], [agg[n][PREFILL]["prefill_tok_per_s"]["min"]],
                [agg[n][PREFILL]["prefill_tok_per_s"]["max"]]) for n in names}
     rp.bar_plot(out_dir / "prefill_throughput.png", ["prefill"], pre, ylabel="prompt tokens/s",
-                title="Prefill throughput (median, error bars = repeat spread)")
+                title="Prefill throughput (median" + (", error bars = min..max over repeats)" if spread else ")"))
     return ["decode_throughput.png", "prefill_throughput.png"]
 
 
-def _markdown(res: dict, names: list[str], concs: list[int], ref: str, plots: list[str]) -> str:
-    s, agg, sizes = res["settings"], res["aggregate"], res["weights"]
-    lines = ["# Weight representation: " + " vs ".join(names), ""]
-    for n, h in res["headline"].items():
-        lines += [f"- **Decode** ({n} / {ref}, decode-step tokens/s, paired): {rp.pct(h['decode_ratio_c1'])} at "
-                  f"concurrency {concs[0]}, {rp.pct(h['decode_ratio_min'])} to {rp.pct(h['decode_ratio_max'])} across "
-                  "the sweep (published +53% at concurrency 1, +16% to +55% across concurrencies).",
-                  f"- **Prefill** ({n} / {ref}, prompt tokens/s, paired): {rp.pct(h['prefill_ratio'])} "
-                  "(published -15%: 10,160 -> 8,660).",
-                  f"- Decode weights: {ref} {sizes[ref]['decode_weight_bytes'] / 2**20:.2f} MiB, {n} "
-                  f"{sizes[n]['decode_weight_bytes'] / 2**20:.2f} MiB (x{h['decode_weight_bytes_ratio']:.2f}; routed "
-                  f"experts are {100 * sizes[n]['routed_expert_share']:.0f}% of {n}'s bytes; published GLM-5 "
-                  "checkpoint 705 -> 421 GB, x0.60).", ""]
+def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
+    s, sizes, agg = res["settings"], res["weights"], summary["aggregate"]
+    names, ref, concs = s["weights"], s["reference"], s["concurrency"]
+    lines = ["# Weight representation: " + " vs ".join(names), "",
+             "Verdicts (paired ratios: median, 95% bootstrap CI of the median, min..max over repeats):", ""]
+    lines += [f"- {vd.Verdict(**v).line()}" for v in summary["verdicts"]] + [""]
+    m = s["model"]
     lines += ["## Setup", "",
-              f"- model `{s['model'].get('name')}`; mode {s['mode']}; KV {s['kv']}; each policy applies to both phases",
-              f"- decode sweep: concurrency {concs}, workload `{s['workload']['name']}` (prompt "
-              f"{s['workload']['prompt']['mean']}, output {s['workload']['output']['mean']}); prefill run: "
-              f"{s['prefill_requests']} requests x {s['prefill_prompt']} prompt tokens, max_tokens 1; "
-              f"{s['repeats']} interleaved repeats", ""]
-    rows = []
-    for c in concs:
-        for n in names:
-            a = agg[n][c]
-            rows.append([c, n, rp.spread(a["decode_tok_per_s"]), rp.spread(a["output_tok_per_s"]),
-                         rp.fmt(a["tpot.p50"]["median"]), rp.fmt(a["e2e.p95"]["median"]), rp.fmt(a["compiles"]["max"])])
-    lines += ["## Decode sweep (medians; [min, max] over repeats)", "", rp.markdown_table(
-        ["concurrency", "weights", "decode-step tok/s", "output tok/s", "TPOT p50 (s)", "e2e p95 (s)",
-         "compiles in timed run"], rows), ""]
+              f"- model `{m.get('name')}`: {s['num_experts']} routed experts, {s['experts_per_token']} per token, "
+              f"{s['moe_layers']} MoE layers (overrides {m.get('overrides') or {}}); mode {s['mode']}; KV {s['kv']}; "
+              "each policy applies to both phases",
+              f"- decode sweep: concurrency {concs}, prompt {s['workload']['prompt']['mean']}, output "
+              f"{s['workload']['output']['mean']} tokens; prefill run: {s['prefill_requests']} requests x "
+              f"{s['prefill_prompt']} prompt tokens, max_tokens 1; {s['repeats']} interleaved repeats; timed runs "
+              f"repeated because JAX compiled inside them: {summary['reruns']} (a second compile would have stopped "
+              "the run)", f"- machine load (1-minute load average) over the timed runs: {rp.spread(summary['load'])} "
+              f"on {res['environment'].get('cpu_cores')} cores", ""]
+    classes = sorted({c for n in names for c in sizes[n]["decode"]["by_class"]})
+    lines += ["## Decode weights held by each engine (bytes, scales included)", "", rp.markdown_table(
+        ["tensor class"] + names,
+        [[c] + [sizes[n]["decode"]["by_class"].get(c, 0) for n in names] for c in classes]
+        + [["total"] + [sizes[n]["decode"]["total"] for n in names]]), ""]
+    lines += ["## Decode weight bytes read per token (MiB)", "",
+              "all experts: this engine's XLA path reads every expert each step; routed: only the experts a batch "
+              "of that size selects under uniform routing (a kernel that skips the rest).", "", rp.markdown_table(
+        ["concurrency"] + [f"{n} {k}" for k in ("all experts", "routed") for n in names]
+        + [f"{n}/{ref} {k}" for k in ("all experts", "routed") for n in names if n != ref],
+        [[c] + [summary["bytes_per_step"][n][c][k] / c / 2**20 for k in ("all_experts", "routed") for n in names]
+         + [summary["bytes_per_step"][n][c][k] / summary["bytes_per_step"][ref][c][k]
+            for k in ("all_experts", "routed") for n in names if n != ref] for c in concs]), ""]
+    rows = [[c, n, rp.spread(agg[n][c]["decode_tok_per_s"]), rp.spread(agg[n][c]["output_tok_per_s"]),
+             rp.fmt(agg[n][c]["tpot.p50"]["median"]), rp.fmt(agg[n][c]["e2e.p95"]["median"])]
+            for c in concs for n in names]
+    lines += ["## Decode sweep (median [min, max] over repeats)", "", rp.markdown_table(
+        ["concurrency", "weights", "decode-step tok/s", "output tok/s", "TPOT p50 (s)", "e2e p95 (s)"], rows), ""]
     lines += ["## Prefill", "", rp.markdown_table(
-        ["weights", "prompt tok/s", "compiles in timed run"],
-        [[n, rp.spread(agg[n][PREFILL]["prefill_tok_per_s"]), rp.fmt(agg[n][PREFILL]["compiles"]["max"])]
-         for n in names]), ""]
-    for n, r in res["ratios"].items():
+        ["weights", "prompt tok/s"], [[n, rp.spread(agg[n][PREFILL]["prefill_tok_per_s"])] for n in names]), ""]
+    for n, r in summary["ratios"].items():
         lines += [f"## {n} / {ref}, paired within each repeat", "", rp.markdown_table(
-            ["point", "decode-step tok/s", "output tok/s", "prompt tok/s"],
-            [[c, rp.pct_spread(r["decode"][c]), rp.pct_spread(r["output"][c]), "–"] for c in concs]
-            + [[PREFILL, "–", "–", rp.pct_spread(r["prefill"][PREFILL])]]), ""]
-    lines += ["## Against the published shape", ""] + _notes(res, ref) + [""]
-    lines += [f"![{p}]({p})" for p in plots] + ["", rp.environment_section(res["environment"]), ""]
+            ["point", "ratio (median, CI, range)"],
+            [[c, vd.ratio_text(r["decode"][c])] for c in concs] + [[PREFILL, vd.ratio_text(r["prefill"])]]), ""]
+    lines += [f"![{p}]({p})" for p in plot_files] + ["", rp.environment_section(res["environment"]), ""]
     return "\n".join(lines)
-
-
-def _notes(res: dict, ref: str) -> list[str]:
-    out = []
-    for n, h in res["headline"].items():
-        dec = h["decode_ratio_c1"]
-        out.append(f"- Decode: measured {n}/{ref} {rp.pct(dec)} at the lowest concurrency and "
-                   f"{rp.pct(h['decode_ratio_min'])} to {rp.pct(h['decode_ratio_max'])} across the sweep, against "
-                   "the published +16% to +55%. "
-                   "On the CPU both representations run through the XLA reference matmul, which expands the "
-                   "quantized weight to BF16 in full before the matmul: XLA on CPU does not fuse INT4 (or FP8) "
-                   "dequantization into the matmul, so the weight bytes read per step are not what bounds the "
-                   "step and INT4's smaller footprint cannot turn into speed the way it does on a GPU (here INT4's "
-                   f"decode weights are even x{h['decode_weight_bytes_ratio']:.2f} FP8's bytes). The "
-                   "difference measured here comes from how much dequantization work each policy adds "
-                   f"(FP8 quantizes every matmul; INT4 only the routed experts, which are "
-                   f"{100 * res['weights'][n]['routed_expert_share']:.0f}% of this model's INT4 weight bytes), "
-                   "not from memory bandwidth.")
-        out.append(f"- Prefill: measured {n}/{ref} {rp.pct(h['prefill_ratio'])} prompt tokens/s (published -15%). "
-                   "The CPU has no FP8 matrix unit, so FP8 prefill does not get the compute advantage it has on an "
-                   "H200 either: the CPU ratio compares two dequantize-then-matmul paths.")
-        out.append(f"- Memory: {n}'s decode weights are x{h['decode_weight_bytes_ratio']:.2f} the bytes of {ref}'s "
-                   f"here. In GLM-5 the routed experts are {100 * res['glm5_fp8_routed_expert_share']:.0f}% of the "
-                   "FP8 checkpoint (phaseserve.quant.size_report), so INT4 experts shrink the model; in "
-                   "this small model attention and dense layers weigh far more, and they stay BF16 under the INT4 "
-                   "policy but become FP8 under the FP8 policy.")
-    return out

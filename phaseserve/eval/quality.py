@@ -34,6 +34,17 @@ WEIGHTS = {  # name -> policy string (engine QuantConfig weights)
     "int4-gptq": "kimi-int4,routed_experts=int4:g32:bf16:gptq",
 }
 KV = ("bfloat16", "float8_e4m3fn")
+# Each representation against the float32 model (on the held-out windows): KL (nats) at most, top-1 agreement at
+# least, perplexity ratio at most. Set from the measurement (benchmarks/quality: 32 windows; 2 windows in the
+# tests) with about 2-3x headroom on KL; an INT4 quantizer that drops one bit of each code fails them (KL 0.031,
+# top-1 0.90 on the tests' 2 windows; tests/e2e/test_quality.py breaks it on purpose).
+LIMITS = {
+    "float32": {"kl": 1e-9, "top1": 1.0, "ppl_ratio": 1.0 + 1e-6},
+    "bfloat16": {"kl": 0.001, "top1": 0.98, "ppl_ratio": 1.005},
+    "fp8": {"kl": 0.005, "top1": 0.97, "ppl_ratio": 1.02},
+    "int4-rtn": {"kl": 0.012, "top1": 0.93, "ppl_ratio": 1.03},
+    "int4-gptq": {"kl": 0.012, "top1": 0.93, "ppl_ratio": 1.03},
+}
 # (decode weights, KV, prefill weights or None = same): the representation diagonal with BF16 KV, FP8 KV on the
 # float32 model, and the design row (FP8 prefill, GPTQ INT4 decode, FP8 KV).
 COMBOS = [("float32", "bfloat16", None), ("float32", "float8_e4m3fn", None), ("bfloat16", "bfloat16", None),
@@ -60,6 +71,24 @@ def _logit_metrics(ref_params, params, cfg, windows: np.ndarray) -> dict[str, fl
         kls.append(kl_divergence(ref, test))
         tops.append(top1_agreement(ref, test))
     return {"kl": float(np.mean(kls)), "top1": float(np.mean(tops))}
+
+
+def weight_metrics(f32, cfg, windows: np.ndarray, name: str, calibration=None) -> dict[str, float]:
+    """Perplexity of representation ``name`` on ``windows`` (i32[N, T+1]), and its KL / top-1 against float32."""
+    params = represented(f32, cfg, name, calibration)
+    return {**heldout_perplexity(params, cfg, windows), **_logit_metrics(f32, params, cfg, windows)}
+
+
+def check(name: str, metrics: dict[str, float], ref: dict[str, float]) -> list[str]:
+    """What breaks :data:`LIMITS` for representation ``name`` (``metrics`` vs the float32 ``ref``); [] when all hold."""
+    lim, out = LIMITS[name], []
+    if metrics["kl"] > lim["kl"]:
+        out.append(f"{name}: KL {metrics['kl']:.5f} > {lim['kl']}")
+    if metrics["top1"] < lim["top1"]:
+        out.append(f"{name}: top-1 agreement {metrics['top1']:.4f} < {lim['top1']}")
+    if metrics["ppl"] / ref["ppl"] > lim["ppl_ratio"]:
+        out.append(f"{name}: perplexity ratio {metrics['ppl'] / ref['ppl']:.4f} > {lim['ppl_ratio']}")
+    return out
 
 
 def _engine(cfg, params, weights: str, kv: str, prefill: str | None = None) -> ps.Engine:
@@ -90,6 +119,8 @@ def run(model_path: str | Path, out_dir: str | Path, *, num_requests: int = 48, 
         reps[name] = represented(f32, cfg, name, calib)
         rows["weights"][name] = {**heldout_perplexity(reps[name], cfg, windows),
                                  **_logit_metrics(f32, reps[name], cfg, windows)}
+    ref = rows["weights"]["float32"]
+    rows["limits_broken"] = {name: check(name, m, ref) for name, m in rows["weights"].items()}
     ref_tokens = engine_generate_fn(_engine(cfg, f32, "float32", "float32"))(prompts, max_tokens)
     for w, kv, pre in COMBOS:
         progress(f"engine weights={w} kv={kv} prefill={pre or w}")
@@ -150,7 +181,10 @@ def markdown(rows: dict, cfg, n: int, max_tokens: int, num_windows: int) -> str:
             f"{d_valid('int4-gptq', 'bfloat16'):+.1f} points (goal within 2); RTN: {d_ppl('int4-rtn'):+.2f}%, "
             f"{d_valid('int4-rtn', 'bfloat16'):+.1f} points.",
         ]
-    return "\n".join(lines + ["", "Against the goals (measured, not fitted):", *goals]) + "\n"
+    broken = [x for xs in rows.get("limits_broken", {}).values() for x in xs]
+    limits = ["", "Each representation against float32 within `LIMITS` (phaseserve/eval/quality.py): "
+              + ("every limit holds." if not broken else "; ".join(broken))] if "limits_broken" in rows else []
+    return "\n".join(lines + ["", "Against the goals (measured, not fitted):", *goals] + limits) + "\n"
 
 
-__all__ = ["KV", "WEIGHTS", "markdown", "represented", "run"]
+__all__ = ["KV", "LIMITS", "WEIGHTS", "check", "markdown", "represented", "run", "weight_metrics"]

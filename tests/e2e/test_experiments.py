@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from hydra import compose, initialize_config_dir
 
 from phaseserve.bench import integrity, kv_dtype, reproduce, weight_dtype
@@ -27,6 +26,17 @@ def _compose(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=COMMON + overrides)
 
 
+def _run(module, cfg, out):
+    """Run an experiment; its last logged lines must be its verdict lines, then the run directory."""
+    lines: list[str] = []
+    res = module.run(cfg, out, log=lines.append)
+    verdicts = json.loads((out / "results.json").read_text())["summary"]["verdicts"]
+    assert len(verdicts) >= 2 and lines[-1] == f"run directory: {out}"
+    assert lines[-1 - len(verdicts):-1] == [f"{v['claim']}: {v['measured']} (published {v['published']}) -> "
+                                             f"{v['outcome']}" for v in verdicts]
+    return res, verdicts
+
+
 def _outputs(out, pngs):
     data = json.loads((out / "results.json").read_text())
     md = (out / "README.md").read_text()
@@ -36,7 +46,8 @@ def _outputs(out, pngs):
         assert f"![{p}]({p})" in md
     env = data["environment"]
     assert env["machine"] and env["jax"] and env["date"] and env["cpu_cores"] >= 1
-    assert "## Environment" in md and "## Against the published shape" in md
+    assert "## Environment" in md and "Verdicts" in md and "## Against the published shape" not in md
+    assert all(r["compiles"] == 0 for r in data["records"])  # asserted by the sweep runner
     return data, md
 
 
@@ -44,44 +55,42 @@ def test_kv_dtype_fp8_admits_twice_the_bf16_requests(tmp_path):
     # budget: 1 BF16 request of 20 + 4 tokens (2 pages of 16) -> FP8 holds 2 in the same bytes
     cfg = _compose("experiment/kv_dtype", ["workload.concurrency=[1,2]", "cache.kv_budget_requests=1",
                                            "experiment.repeats=1"])
-    res = kv_dtype.run(cfg, tmp_path, log=lambda *_: None)
+    res, verdicts = _run(kv_dtype, cfg, tmp_path)
     data, md = _outputs(tmp_path, ["throughput.png", "admitted.png", "tpot.png", "e2e_p95.png"])
-    arms = data["arms"]
+    arms, summary = data["arms"], data["summary"]
     assert set(arms) == {"BF16", "FP8"} and data["settings"]["budget_bytes"] > 0
     assert arms["BF16"]["admitted_at_saturation"] == 1 and arms["FP8"]["admitted_at_saturation"] == 2
-    assert arms["BF16"]["first_offered_concurrency_not_fully_admitted"] == 2
-    assert data["aggregate"]["FP8"]["2"]["peak_concurrency"]["median"] == 2
-    assert data["aggregate"]["BF16"]["2"]["peak_concurrency"]["median"] == 1
-    h = data["headline"]["FP8"]
-    assert h["admitted_ratio"] == 2.0 and h["peak_gain"] > 0 and h["cost_per_token_ratio"] == pytest.approx(
-        1 / h["peak_gain"])
-    assert len(data["records"]) == 4 and all(r["compiles"] == 0 for r in data["records"])  # warmed up
-    assert all(r["finish_reasons"] == {"length": r["requests"]} for r in data["records"])
-    assert "Peak vs peak" in md and "| 2 | FP8 | 2.00 |" in md
+    assert summary["peaks"]["BF16"]["first_offered_concurrency_not_fully_admitted"] == 2
+    assert summary["aggregate"]["FP8"]["2"]["peak_concurrency"]["median"] == 2
+    assert summary["aggregate"]["BF16"]["2"]["peak_concurrency"]["median"] == 1
+    h = summary["headline"]["FP8"]
+    assert h["admitted_ratio"] == 2.0 and h["peak_gain"]["n"] == 1
+    assert len(data["records"]) == 4 and all(r["finish_reasons"] == {"length": r["requests"]} for r in data["records"])
+    assert "| 2 | FP8 | 2.00 |" in md
     assert res["arms"]["FP8"]["num_pages"] > res["arms"]["BF16"]["num_pages"] > 1
-    rows = reproduce._summary("kv_dtype", res)  # the rows the combined report takes from this experiment
-    assert [r[0] for r in rows] == ["FP8/BF16 KV: admitted at saturation, one budget",
-                                    "FP8/BF16 KV: peak vs peak throughput", "FP8/BF16 KV: cost per token"]
-    assert rows[0][2] == "2 / 1 = 2.00x"
+    assert verdicts[0]["measured"] == "2 / 1 = 2.00x" and verdicts[0]["outcome"].startswith("reproduced")
+    assert verdicts[1]["outcome"] == "unresolved (fewer than 3 repeats)"  # one repeat judges nothing
 
 
-def test_weight_dtype_reports_decode_and_prefill_side_by_side(tmp_path):
+def test_weight_dtype_reports_bytes_decode_and_prefill_side_by_side(tmp_path):
     cfg = _compose("experiment/weight_dtype", ["workload.concurrency=[2]", "experiment.repeats=2",
-                                               "experiment.prefill_prompt=32", "experiment.prefill_requests=2"])
-    res = weight_dtype.run(cfg, tmp_path, log=lambda *_: None)
+                                               "experiment.prefill_prompt=32", "experiment.prefill_requests=2",
+                                               "model.overrides.n_routed_experts=8",
+                                               "model.overrides.moe_intermediate_size=128",
+                                               "model.overrides.num_experts_per_tok=2"])
+    res, verdicts = _run(weight_dtype, cfg, tmp_path)
     data, md = _outputs(tmp_path, ["decode_throughput.png", "prefill_throughput.png"])
     w = data["weights"]
-    assert w["fp8"]["decode_by_rep"] != w["int4"]["decode_by_rep"]  # really two representations
-    assert any("int4" in k for k in w["int4"]["decode_by_rep"]) and any("fp8" in k for k in w["fp8"]["decode_by_rep"])
-    h = data["headline"]["int4"]
-    assert h["decode_ratio_c1"] > 0 and h["prefill_ratio"] > 0
-    assert len(data["ratios"]["int4"]["decode"]["2"]["values"]) == 2  # one paired ratio per repeat
+    assert w["fp8"]["decode"]["by_rep"] != w["int4"]["decode"]["by_rep"]  # really two representations
+    assert any("int4" in k for k in w["int4"]["decode"]["by_rep"])
+    assert any("fp8" in k for k in w["fp8"]["decode"]["by_rep"])
+    ratio = w["int4"]["decode"]["total"] / w["fp8"]["decode"]["total"]
+    assert verdicts[0]["measured"].startswith(f"x{ratio:.3f}")  # the byte ratio of the weights the engines hold
+    assert len(data["summary"]["ratios"]["int4"]["decode"]["2"]["values"]) == 2  # one paired ratio per repeat
     pre = [r for r in data["records"] if r["point"] == "prefill"]
     assert len(pre) == 4 and all(r["prefill_tokens"] == 64 and r["output_tokens"] == 2 for r in pre)
-    assert "XLA on CPU does not fuse" in md and "## Prefill" in md
-    rows = reproduce._summary("weight_dtype", res)
-    assert [r[1] for r in rows] == ["92 / 60 = +53%", "+16% to +55%", "8,660 / 10,160 = -15%"]
-    assert all(r[2].endswith("%") for r in rows)
+    assert "## Prefill" in md and "## Decode weight bytes read per token" in md
+    assert "XLA on CPU does not fuse" not in md  # no prose written in advance
 
 
 def test_integrity_overhead_and_fault_matrix(tmp_path):
@@ -90,12 +99,13 @@ def test_integrity_overhead_and_fault_matrix(tmp_path):
                                             "experiment.faults=[point_at_other,free_behind,poison_scale]",
                                             "experiment.fault_trials=1", "experiment.fault_requests=3",
                                             "experiment.fault_prompt=20", "experiment.fault_output=6"])
-    res = integrity.run(cfg, tmp_path, log=lambda *_: None)
+    res, verdicts = _run(integrity, cfg, tmp_path)
     data, md = _outputs(tmp_path, ["throughput.png", "e2e_p95.png"])
-    agg = data["aggregate"]
+    agg = data["summary"]["aggregate"]
     assert agg["on"]["2"]["integrity_checks"]["median"] > 0
     assert agg["off"]["2"]["integrity_checks"]["median"] == 0 and set(agg) == {"on", "off"}
-    assert set(data["deltas"]) == {"on"} and len(data["deltas"]["on"]["throughput"]["2"]["values"]) == 2
+    deltas = data["summary"]["deltas"]
+    assert set(deltas) == {"on"} and len(deltas["on"]["throughput"]["2"]["values"]) == 2
     m = data["fault_matrix"]
     assert m["totals"]["on"] == {"injected": 3, "detected": 3, "missed": 0, "false_positives": 0,
                                  "victim_tokens_silently_changed": 0, "others_tokens_changed": 0, "leaked_pages": 0,
@@ -104,10 +114,8 @@ def test_integrity_overhead_and_fault_matrix(tmp_path):
     assert m["clean_after_matrix"] == {"on": True, "noop": True}
     assert all(t["caught_at_injection_step"] for t in m["trials"] if t["tracker"] == "on")
     assert "Fault-injection matrix" in md and "| poison_scale | on | 1 | 1 | 0 | 0 |" in md
-    rows = {r[0]: r[2] for r in reproduce._summary("integrity", res)}
-    assert rows["faults with tracker on: detected / injected, false positives"] == "3 / 3, 0"
-    assert rows["faults with tracker noop: detected / injected, false positives"] == "0 / 3, 0"
-    assert rows["integrity on vs off: throughput"].startswith("c=2: ")
+    assert verdicts[0]["measured"] == "3 / 3, 0" and verdicts[0]["outcome"] == "reproduced"
+    assert verdicts[1]["claim"] == "check on/off throughput at concurrency 2"
 
 
 def test_reproduce_runs_the_experiments_into_one_report(tmp_path):
@@ -131,10 +139,11 @@ def test_reproduce_runs_the_experiments_into_one_report(tmp_path):
         assert f"[{name}/README.md]({name}/README.md)" in md and data["runs"][name]["seconds"] > 0
     assert "cache.kv_budget_requests=1" in data["runs"]["kv_dtype"]["overrides"]
     assert json.loads((tmp_path / "kv_dtype" / "results.json").read_text())["settings"]["concurrency"] == [2]
-    kv = data["runs"]["kv_dtype"]["summary"]
-    assert kv[0][0].startswith("FP8/BF16 KV: admitted") and kv[0][2].endswith("= 2.00x")
+    kv = data["summary"]["by_experiment"]["kv_dtype"]
+    assert kv[0]["claim"].startswith("FP8/BF16 KV requests admitted") and kv[0]["measured"].endswith("= 2.00x")
     if "capacity" in expected:
         assert (tmp_path / "capacity" / "capacity.json").exists()
-        assert data["runs"]["capacity"]["summary"][0][0].startswith("planner vs published")
-    assert "| result | published (GPU) | measured here |" in md and "## Environment" in md
-    assert "## Where this machine agrees with the published shape" in md and "capacity under one budget" in md
+        roles = [v["claim"] for v in data["summary"]["by_experiment"]["capacity"]]
+        assert roles == ["planner, fitted figure", "planner, follows figure", "planner, count figures",
+                         "planner, held-out figures"]
+    assert "| experiment | result | published (GPU) | measured here | verdict |" in md and "## Environment" in md

@@ -3,7 +3,10 @@ loop against a tiny engine, statistics, tables and plots."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,7 @@ from omegaconf import OmegaConf
 
 import phaseserve as ps
 from phaseserve import config_hydra
-from phaseserve.bench import measure, schema, workload
+from phaseserve.bench import measure, schema, verdict, workload
 from phaseserve.bench import report as rp
 from phaseserve.cache.paged import kv_bytes_per_page, pages_for_budget
 from phaseserve.config import ConfigError
@@ -244,6 +247,9 @@ def test_formatting_and_markdown():
     assert rp.pct_spread({"median": 1.1, "min": 1.0, "max": 1.2, "n": 2}) == "+10.0% [+0.0%, +20.0%]"
     md = rp.markdown_table(["a", "b"], [[1, 2.5], ["x", None]])
     assert md.splitlines() == ["| a | b |", "|---|---|", "| 1 | 2.50 |", "| x | – |"]
+    from phaseserve.markdown import table  # the one writer: dict rows too (the planner's tables)
+
+    assert table([{"a": 1234, "b": True}, {"a": 0.5}]).splitlines()[2:] == ["| 1,234 | yes |", "| 0.500 | – |"]
 
 
 def test_plots_and_outputs_are_written(tmp_path):
@@ -253,6 +259,9 @@ def test_plots_and_outputs_are_written(tmp_path):
                  rp.bar_plot(tmp_path / "b.png", ["g"], {"A": ([3.0], [2.0], [4.0]), "B": ([1.0], None, None)},
                              ylabel="y", title="t")):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    rows = [{"model": "m", "gpu": "g", "weights": w, "kv": "fp8", "kv_tokens": t, "fits": t > 0}
+            for w, t in (("int4", 1000), ("fp8", 0))]
+    assert rp.kv_tokens_plot(tmp_path / "kv.png", rows, title="t").stat().st_size > 5000
     cfg = _compose("config", TINY)
     paths = rp.write_outputs(tmp_path / "out", cfg, {"x": np.float32(1.5), "y": float("nan"), "k": {1: [2]}}, "# hi")
     assert paths["json"].read_text().count('"x": 1.5') == 1 and '"y": null' in paths["json"].read_text()
@@ -298,57 +307,118 @@ def test_gpu_recipe_composes_to_the_published_budget_shape():
     assert budget < 2 * 2**30 and 1024 + 256 <= 128 * 16 <= model_cfg.max_position_embeddings
 
 
-def test_reproduce_verdicts_say_plainly_what_was_and_was_not_reproduced():
-    from phaseserve.bench.reproduce import _verdicts
-
-    rep = {"min": 0.8, "max": 0.95, "n": 3}
-    kv = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 1.88, "peak_gain": 0.91, "peak_gain_by_repeat": rep}})
-    assert kv[0].endswith("reproduced.") and "NOT reproduced on this CPU" in kv[1] and "-9.0%" in kv[1]
-    mixed = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 1.5, "peak_gain": 1.1,
-                                           "peak_gain_by_repeat": {"min": 0.9, "max": 1.3, "n": 3}}})
-    assert mixed[0].endswith("NOT reproduced.") and "unresolved" in mixed[1] and "-10.0% to +30.0%" in mixed[1]
-    w = _verdicts("weight_dtype", {"int4": {"decode_ratio_min": 1.2, "decode_ratio_max": 1.5, "prefill_ratio": 0.85,
-                                            "prefill_range": [0.8, 0.9], "decode_points": 3, "decode_clear_wins": 3,
-                                            "decode_clear_losses": 0}})
-    assert "at 3 of 3 concurrencies" in w[0] and "direction reproduced" in w[0]
-    assert w[1] == "- int4 prefill loss: -15.0% (range -20.0% to -10.0%) -- reproduced (published -15%)."
-    i = _verdicts("integrity", {"on": {"throughput_delta_by_concurrency": {1: 0.995, 8: 1.05},
-                                       "throughput_within_noise": {1: True, 8: False},
-                                       "aa_max_abs_throughput_delta": 0.02},
-                                "faults": {"on": {"detected": 3, "injected": 4, "false_positives": 0}}})
-    assert i[0].endswith("NOT reproduced.") and "larger than the noise at c=8" in i[1] and "up to 2.0%" in i[1]
-    quiet = _verdicts("integrity", {"on": {"throughput_delta_by_concurrency": {1: 0.97},
-                                           "throughput_within_noise": {1: True}}})
-    assert "within this machine's noise" in quiet[0]
-    assert _verdicts("capacity", {"published_figures": 7, "within_3pct": 7})[0].endswith("reproduced.")
-    edge = _verdicts("kv_dtype", {"FP8": {"admitted_ratio": 2.0, "peak_gain": 0.95,
-                                          "peak_gain_by_repeat": {"min": 0.9, "max": 0.99, "n": 2}}})
-    assert "NOT reproduced on this CPU" in edge[1]  # every repeat below 1: not 'unresolved'
+def _st(vals):
+    return measure.stats(vals, ci=True) | {"values": vals}
 
 
-def test_reproduce_report_renders_again_from_its_json(tmp_path):
+def test_median_ci_is_a_scipy_bootstrap_interval_of_the_median():
+    vals = [1.08, 1.12, 1.10, 1.15, 1.09]
+    lo, hi = measure.median_ci(vals)
+    assert min(vals) <= lo <= np.median(vals) <= hi <= max(vals) and lo < hi
+    assert measure.median_ci([1.0, 1.0, 1.0]) == (1.0, 1.0) and measure.median_ci([1.0, 2.0]) == (None, None)
+    st = _st(vals)
+    assert (st["ci_low"], st["ci_high"]) == (lo, hi)
+
+
+def test_verdicts_are_computed_from_the_interval():
+    faster, slower = _st([1.10, 1.12, 1.09, 1.11, 1.13]), _st([0.90, 0.93, 0.91, 0.92, 0.88])
+    mixed, two = _st([0.95, 1.04, 1.10, 0.97, 1.01]), _st([1.2, 1.3])
+    assert verdict.direction(faster, 1.41).startswith("reproduced")
+    assert verdict.direction(slower, 1.41).startswith("not reproduced")
+    assert verdict.direction(slower, 0.85).startswith("reproduced")  # a published loss, measured as a loss
+    assert verdict.direction(mixed, 1.41).startswith("unresolved")
+    assert verdict.direction(two, 1.41) == "unresolved (fewer than 3 repeats)"
+    assert verdict.bound(_st([0.995, 1.004, 0.998, 1.001]), 0.01).startswith("reproduced")
+    assert verdict.bound(slower, 0.01).startswith("not reproduced")
+    assert verdict.bound(mixed, 0.01).startswith("unresolved")
+    assert verdict.ratio_text(faster).startswith("+11.0% (95% CI +")
+    v = verdict.Verdict("claim", "measured", "published", "reproduced")
+    line = "claim: measured (published published) -> reproduced"
+    assert verdict.final_lines([v, v.to_dict()], "out/x") == [line, line, "run directory: out/x"]
+
+
+def test_a_compile_inside_a_timed_run_is_rerun_once_then_refused():
+    seen = []
+    fn = jax.jit(lambda x: x * 5 + 1)
+
+    def compiles_first_time(eng, arm, point, rep):  # a shape the warm-up missed: compiled on first use only
+        fn(jnp.arange(point))
+        seen.append(arm)
+        return {"x": 1}
+
+    recs = measure.interleaved({"a": None}, [11.0], 1, compiles_first_time, desc="t", progress=False)
+    assert seen == ["a", "a"] and recs[0]["reruns"] == 1 and recs[0]["compiles"] == 0
+
+    def always_compiles(eng, arm, point, rep):
+        jax.jit(lambda x: x * len(seen) + 1)(jnp.arange(2.0))  # a new function every call
+        seen.append(arm)
+        return {}
+
+    with pytest.raises(measure.CompileInTimedRun, match="twice in a row"):
+        measure.interleaved({"a": None}, [1], 1, always_compiles, desc="t", progress=False)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _reproduce_table(root: Path) -> list[list[str]]:
     from phaseserve.bench import reproduce
 
-    env = measure.environment()
-    res = {"experiment": "reproduce", "environment": env, "runs": {"capacity": {
-        "dir": "capacity", "seconds": 1.0, "compilation": {"lowerings": 0, "cache_hits": 0, "cache_misses": 0},
-        "overrides": [], "headline": {"published_figures": 7, "within_3pct": 6, "max_abs_error": 0.05},
-        "summary": [["planner vs published capacity figures (within 3%)", "all", "6 of 7"]]}}}
-    rp.write_json(tmp_path / "results.json", res)
-    md = reproduce.render(tmp_path).read_text()
-    assert "| planner vs published capacity figures (within 3%) | all | 6 of 7 |" in md
-    assert "6 of 7 within 3% -- NOT reproduced." in md and "[capacity/README.md](capacity/README.md)" in md
+    reproduce.render(root / "reproduce", log=lambda *_: None)
+    md = (root / "reproduce" / "README.md").read_text().splitlines()
+    start = md.index("| experiment | result | published (GPU) | measured here | verdict |") + 2
+    rows = []
+    for line in md[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
 
 
-def test_integrity_noise_rule():
-    from phaseserve.bench.integrity import within_noise
+def _perturb(x, rng, skip=("point", "repeat", "order", "arm", "concurrency", "environment", "settings", "id",
+                           "role", "dir", "overrides", "compilation")):
+    """Every measured number of a results JSON moved (floats scaled, counts shifted); identities kept."""
+    if isinstance(x, dict):
+        return {k: (v if k in skip else _perturb(v, rng)) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_perturb(v, rng) for v in x]
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, int):  # small counts shifted, byte counts scaled
+        return x + int(rng.integers(1, 5)) if abs(x) < 1000 else int(x * rng.uniform(1.3, 1.9))
+    if isinstance(x, float):
+        return x * float(rng.uniform(1.3, 1.9))
+    return x
 
-    def st(vals):
-        return measure.stats(vals) | {"values": vals}
 
-    aa = st([0.99, 1.01, 1.02])
-    assert within_noise(st([0.93, 0.95, 0.83]), aa) is False  # every repeat slower, beyond the A/A median
-    assert within_noise(st([0.93, 1.02, 0.83]), aa) is True  # the repeats disagree
-    assert within_noise(st([0.995, 0.99, 0.998]), st([0.98, 0.97, 0.99])) is True  # smaller than the A/A effect
-    assert within_noise(st([0.9, 0.9]), aa) is True  # two repeats cannot resolve anything
-    assert within_noise({"median": None}, aa) is None
+def test_every_number_in_the_reproduce_table_is_read_from_json_or_the_registry(tmp_path, monkeypatch):
+    """Render the committed reproduce report; move every published figure -> every published cell with a number
+    changes and no measured cell does; move every measured number in the JSON -> every measured cell with a number
+    changes and no published cell does. So no number is a literal of the report template."""
+    import shutil
+
+    from phaseserve import figures
+
+    for name in ("kv_dtype", "weight_dtype", "integrity", "reproduce"):
+        shutil.copytree(BENCH / name, tmp_path / name)
+    base = _reproduce_table(tmp_path)
+    assert len(base) >= 8 and {r[0] for r in base} == {"kv_dtype", "weight_dtype", "integrity", "capacity"}
+    has_digit = [[any(ch.isdigit() for ch in c) for c in r] for r in base]
+
+    rng = np.random.default_rng(0)
+    moved = {f.id: dataclasses.replace(f, value=f.value * float(rng.uniform(1.2, 1.9))) for f in figures.FIGURES}
+    with monkeypatch.context() as m:
+        m.setattr(figures, "_BY_ID", moved)
+        fig_moved = _reproduce_table(tmp_path)
+    for r0, r1, d in zip(base, fig_moved, has_digit, strict=True):
+        assert r1[3] == r0[3], r0  # measured: unchanged
+        assert r1[2] != r0[2] or not d[2], r0  # published: read from the registry
+
+    for path in [tmp_path / n / "results.json" for n in ("kv_dtype", "weight_dtype", "integrity")] + [
+            tmp_path / "reproduce" / "capacity" / "capacity.json"]:
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(_perturb({k: v for k, v in data.items() if k != "summary"}, rng)))
+    data_moved = _reproduce_table(tmp_path)
+    for r0, r2, d in zip(base, data_moved, has_digit, strict=True):
+        assert r2[2] == r0[2], r0  # published: unchanged
+        assert r2[3] != r0[3] or not d[3], r0  # measured: read from the JSON records
