@@ -36,7 +36,7 @@ def collect(sweep_dir: str | Path) -> dict[str, Any]:
         res = json.loads((job / "results.json").read_text())
         ov = job / ".hydra" / "overrides.yaml"
         overrides = [ln[2:].strip() for ln in ov.read_text().splitlines() if ln.startswith("- ")] if ov.exists() else []
-        for arm, by_point in (res.get("aggregate") or {}).items():
+        for arm, by_point in ((res.get("summary") or {}).get("aggregate") or res.get("aggregate") or {}).items():
             for point, metrics in by_point.items():
                 rows.append({"job": job.name, "experiment": res.get("experiment"), "overrides": overrides,
                              "arm": arm, "point": point,

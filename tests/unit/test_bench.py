@@ -282,7 +282,7 @@ def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "overrides.yaml").write_text(f"- quant.kv={kv}\n- model=tiny_mla\n")
         agg = {kv.upper(): {"8": {"steady_tok_per_s": {"median": tput}, "peak_concurrency": {"median": 8.0}}}}
-        rp.write_json(d / "results.json", {"experiment": "kv_dtype", "aggregate": agg})
+        rp.write_json(d / "results.json", {"experiment": "kv_dtype", "summary": {"aggregate": agg}})
     (tmp_path / "2").mkdir()  # a failed job without results is skipped
     data = multirun.collect(tmp_path)
     assert data["jobs"] == ["0", "1", "10"] and [r["steady_tok_per_s"] for r in data["rows"]] == [100.0, 150.0, 90.0]
