@@ -1,7 +1,7 @@
 """The package's layering, read from the source with ``ast`` (every import, including those inside functions):
 
     config -> qarrays (quantized arrays, the matmul dispatch) -> model -> quant / cache -> engine -> serving
-    -> bench / eval -> experiments
+    / server (HTTP) -> bench / eval -> experiments
 
 - no cycles between ``phaseserve``'s units (a subpackage, a top-level module, or the package root
   ``phaseserve/__init__.py``, which imports the public API);
@@ -133,6 +133,13 @@ def test_model_imports_only_the_quantized_array_leaf():
 def test_engine_imports_no_bench_and_no_hydra():
     bad = offending(_under("phaseserve.engine"), _under("phaseserve.bench", "hydra", "omegaconf"))
     assert not bad, "the engine imports the experiment harness or Hydra:\n" + "\n".join(bad)
+
+
+def test_only_bench_and_eval_sit_above_the_http_server():
+    above = _under("phaseserve.server", "phaseserve.bench", "phaseserve.eval")
+    bad = offending(lambda m: not above(m), _under("phaseserve.server"))
+    bad += offending(_under("phaseserve.server"), _under("phaseserve.bench", "phaseserve.eval"))
+    assert not bad, "imports across the HTTP server's layer:\n" + "\n".join(bad)
 
 
 def test_allocator_and_scheduler_import_no_jax():

@@ -1,0 +1,266 @@
+"""The OpenAI-compatible HTTP application (FastAPI): completions, chat completions, models, health, metrics.
+
+``create_app(backend, tokenizer, model_name)`` wraps an :class:`~phaseserve.server.loop.EngineBackend` (or a
+``RouterBackend``) in an :class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and
+format, so no handler blocks the engine and every client's requests share its continuous batch.
+
+Errors, in OpenAI's body (``{"error": {"message", "type", "param", "code"}}``):
+
+- 400 ``invalid_request_error``: a body that fails the schemas (:mod:`phaseserve.server.schemas`), or a request
+  the engine refuses on arrival (a :class:`~phaseserve.RequestError`: token outside the vocabulary, prompt +
+  max_tokens beyond the context, ...); a streamed request is refused before its stream starts;
+- 404 ``model_not_found``: ``model`` names another model;
+- 500 ``server_error``: this request failed in the engine (an integrity abort, a device failure narrowed to it);
+  other requests are unaffected. Mid-stream, the error is sent as an SSE ``data: {"error": ...}`` event.
+
+A client that disconnects (mid-stream, or while waiting for a non-streamed reply) cancels its request: the engine
+releases its pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from phaseserve.engine import Request, RequestError, RequestOutput
+from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
+from phaseserve.server.loop import EngineLoop
+from phaseserve.server.metrics import ServerMetrics
+from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
+
+DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the client's connection is checked
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+def _failure(out: RequestOutput) -> ApiError | None:
+    """The HTTP error of a request that ended without a reply (None: it finished normally or was cut by a stop)."""
+    if out.finish_reason == "error" and isinstance(out.error, RequestError):
+        return ApiError(400, f"{type(out.error).__name__}: {out.error}")
+    if out.finish_reason in ("error", "aborted"):
+        return ApiError(500, f"{type(out.error).__name__}: {out.error}", "server_error")
+    return None
+
+
+class Generation:
+    """One request in flight: token ids in, text deltas out (:meth:`deltas`), the output at the end."""
+
+    def __init__(self, loop: EngineLoop, req: Request, text: TextStream):
+        self.loop, self.req, self.text = loop, req, text
+        self.handle = loop.submit(req)
+        self.output: RequestOutput | None = None
+        self._first: tuple[str, Any] | None = None
+
+    async def start(self) -> None:
+        """Wait for the first event; raise the request's :class:`ApiError` if it was refused or failed at once."""
+        self._first = await self.handle.get()
+        if self._first[0] == "done":
+            err = _failure(self._first[1])
+            if err is not None:
+                raise err
+        elif self._first[0] == "failed":
+            raise ApiError(500, f"the engine loop stopped: {self._first[1]!r}", "server_error")
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas until the request ends (a stop string cancels it in the engine); sets :attr:`output`."""
+        item, self._first = self._first or await self.handle.get(), None
+        while True:
+            kind, arg = item
+            if kind == "failed":
+                raise ApiError(500, f"the engine loop stopped: {arg!r}", "server_error")
+            if kind == "done":
+                self.output = arg
+                if not self.text.stopped:
+                    err = _failure(arg)
+                    if err is not None:
+                        raise err
+                tail = self.text.flush()
+                if tail:
+                    yield tail
+                return
+            was_stopped = self.text.stopped
+            delta = self.text.feed(arg)
+            if delta:
+                yield delta
+            if self.text.stopped and not was_stopped:
+                self.loop.cancel(self.req.id)
+            item = await self.handle.get()
+
+    def cancel(self) -> None:
+        if self.output is None:
+            self.loop.cancel(self.req.id)
+
+    @property
+    def finish_reason(self) -> str:
+        if self.text.stopped:
+            return "stop"
+        return self.output.finish_reason
+
+    def usage(self) -> dict:
+        return usage(len(self.req.prompt), len(self.text.ids))
+
+
+def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
+    metrics = ServerMetrics(model_name)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["loop"] = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step)
+        yield
+        state["loop"].close()
+
+    app = FastAPI(title="phaseserve", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, exc: ApiError):
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        msg, param = validation_message(exc.errors())
+        return JSONResponse(error_body(msg, param=param), status_code=400)
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, model_name):
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def new_request(prompt: list[int], body: Any, max_tokens: int) -> Request:
+        return Request(id=uuid.uuid4().hex, prompt=prompt, **body.sampling(max_tokens))
+
+    async def run_to_end(gen: Generation, http: HttpRequest) -> str:
+        """All the text of a non-streamed request; the request is cancelled if the client goes away."""
+        async def collect() -> str:
+            return "".join([d async for d in gen.deltas()])
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await http.is_disconnected():
+                    task.cancel()
+                    raise ApiError(499, "client disconnected", "client_closed")
+        finally:
+            gen.cancel()
+
+    def sse(chunks: AsyncIterator[dict], gen: Generation) -> StreamingResponse:
+        async def body():
+            try:
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n"
+            except ApiError as e:
+                yield f"data: {json.dumps(e.body)}\n\n"
+            finally:
+                gen.cancel()  # a disconnect (or any early end) frees the request's pages now
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    # ---- endpoints --------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        loop = state.get("loop")
+        if loop is None or not loop.alive:
+            return JSONResponse({"status": "engine loop stopped", "error": repr(getattr(loop, "error", None))},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "phaseserve", "max_model_len": backend.limits.max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        check_model(body.model)
+        prompt = body.one_prompt
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        gen = Generation(state["loop"], new_request(ids, body, body.max_tokens), TextStream(tokenizer, body.stops))
+        rid, created = f"cmpl-{gen.req.id}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        await gen.start()
+        if not body.stream:
+            text = await run_to_end(gen, http)
+            return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": gen.finish_reason}], "usage": gen.usage()}
+
+        async def chunks():
+            extra = {"usage": None} if body.include_usage else {}
+            async for d in gen.deltas():
+                yield {**head, "choices": [{"index": 0, "text": d, "logprobs": None, "finish_reason": None}], **extra}
+            yield {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                        "finish_reason": gen.finish_reason}], **extra}
+            if body.include_usage:
+                yield {**head, "choices": [], "usage": gen.usage()}
+
+        return sse(chunks(), gen)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
+        check_model(body.model)
+        forced = forced_prefix(body, tokenizer)
+        prompt = render_chat(body.messages, tokenizer) + forced
+        budget = body.token_budget(max(backend.limits.max_context - len(prompt), 1))
+        text = TextStream(tokenizer, body.stops, tools_on=body.tools_on, forced=forced)
+        gen = Generation(state["loop"], new_request(prompt, body, budget), text)
+        rid, created = f"chatcmpl-{gen.req.id}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
+        await gen.start()
+        if not body.stream:
+            await run_to_end(gen, http)
+            content, calls = text.reply()
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            reason = "tool_calls" if calls else gen.finish_reason
+            return {**head, "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
+                    "usage": gen.usage()}
+
+        head["object"] = "chat.completion.chunk"
+
+        async def chunks():
+            extra = {"usage": None} if body.include_usage else {}
+
+            def chunk(delta: dict, reason: str | None = None) -> dict:
+                return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+                        **extra}
+
+            yield chunk({"role": "assistant", "content": ""})
+            async for d in gen.deltas():
+                yield chunk({"content": d})
+            content, calls = text.reply()
+            if calls:
+                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
+            elif text.call_ids is not None:  # a call that did not parse comes back as text
+                yield chunk({"content": content[len(text.text):]})
+            yield chunk({}, "tool_calls" if calls else gen.finish_reason)
+            if body.include_usage:
+                yield {**head, "choices": [], "usage": gen.usage()}
+
+        return sse(chunks(), gen)
+
+    return app

@@ -1,0 +1,86 @@
+"""Building and running the server from a composed Hydra config (``configs/server.yaml``).
+
+``python -m phaseserve.server [overrides]`` and ``experiments/server.py`` both end in :func:`serve`. The config is
+the experiments' tree (``configs/config.yaml``: model, quant, cache, mesh, engine) plus the server's settings in
+its ``experiment`` node:
+
+- ``experiment.backend=engine``: one process; ``engine.mode`` colocated or disaggregated (prefill and decode on their
+  own meshes, each with its own weight representation -- ``quant=phase`` by default);
+- ``experiment.backend=router``: multi-process disaggregated serving (a prefill server process, a decode server
+  process and the router of :mod:`phaseserve.serving`, KV pulled between them), same ``ServeConfig``.
+
+The tokenizer is the checkpoint's ``tokenizer.json`` (a byte-level one, :mod:`phaseserve.data.tokenizer`, as the
+shipped default model has); a checkpoint without one is refused with a :class:`~phaseserve.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from phaseserve.config import ConfigError
+from phaseserve.config_hydra import hf_dict, repo_path, serve_config
+from phaseserve.data.tokenizer import ByteTokenizer
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def compose(overrides: list[str] = ()) -> DictConfig:
+    """``configs/server.yaml`` with command-line style ``overrides`` (``experiment.port=8001 quant=f32``)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="server", overrides=list(overrides))
+
+
+def tokenizer_of(cfg: DictConfig) -> ByteTokenizer:
+    m = cfg.model
+    if not m.get("checkpoint"):
+        return ByteTokenizer()  # random weights of a preset: bytes are as good as any ids (vocab checked below)
+    path = repo_path(m.checkpoint) / "tokenizer.json"
+    desc = json.loads(path.read_text()) if path.is_file() else {}
+    if desc.get("type") != "byte_level":
+        raise ConfigError(f"the server needs a byte-level tokenizer.json next to the checkpoint; {path} is "
+                          f"{'missing' if not desc else 'of type ' + repr(desc.get('type'))}")
+    return ByteTokenizer.from_json(desc)
+
+
+def build_backend(cfg: DictConfig) -> Any:
+    """The engine backend the config asks for (weights loaded, engine or server processes started)."""
+    from phaseserve.server.loop import EngineBackend, RouterBackend
+
+    backend = cfg.experiment.backend
+    if backend == "engine":
+        from phaseserve.engine import Engine
+
+        return EngineBackend(Engine.from_hydra(cfg))
+    if backend != "router":
+        raise ConfigError(f"experiment.backend must be 'engine' or 'router', got {backend!r}")
+    from phaseserve.serving import ModelSpec, Router, ServerSpec
+    from phaseserve.serving.router import model_config
+
+    m = cfg.model
+    mspec = (ModelSpec(checkpoint=str(repo_path(m.checkpoint)), dtype=str(m.dtype)) if m.get("checkpoint") else
+             ModelSpec(hf_config=hf_dict(m), seed=int(m.get("seed") or 0), dtype=str(m.dtype)))
+    serve = serve_config(cfg, model_config(ServerSpec(model=mspec, serve=None)))
+    return RouterBackend(Router(ServerSpec(model=mspec, serve=serve), ServerSpec(model=mspec, serve=serve)))
+
+
+def serve(cfg: DictConfig) -> None:
+    """Build the backend and serve HTTP until interrupted (uvicorn)."""
+    import uvicorn
+
+    from phaseserve.server.app import create_app
+
+    tok = tokenizer_of(cfg)
+    backend = build_backend(cfg)
+    if backend.limits.vocab_size > tok.vocab_size or backend.limits.vocab_size < 256 + 5:
+        raise ConfigError(f"the model's vocabulary ({backend.limits.vocab_size}) does not fit the byte tokenizer")
+    s = cfg.experiment
+    print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend) on http://{s.host}:{s.port}/v1", flush=True)
+    uvicorn.run(create_app(backend, tok, str(s.model_name)), host=str(s.host), port=int(s.port),
+                log_level=str(s.log_level))

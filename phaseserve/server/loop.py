@@ -1,0 +1,230 @@
+"""The engine loop: one thread owns the engine (or the multi-process router) and the HTTP layer never blocks it.
+
+::
+
+    HTTP handlers (asyncio)                     engine-loop thread
+    ---------------------------                 -----------------------------------------------------
+    loop.submit(req) -> Handle  --inbox-->      backend.submit(req)         (validated there; typed errors)
+    loop.cancel(id)             --inbox-->      backend.cancel(id)          (pages released at once)
+    await handle.get()  <--call_soon_threadsafe--  after each backend.advance(): new tokens, the finish
+
+Every request in flight, from every HTTP client, is in the same engine, so continuous batching works across
+clients. The loop reads each request's progress off its :class:`~phaseserve.RequestOutput` (tokens appended,
+``finish_reason`` set), which both backends update in place:
+
+- :class:`EngineBackend`: an in-process :class:`phaseserve.Engine` (colocated or disaggregated), driven by
+  ``add_request`` / ``step`` / ``cancel``;
+- :class:`RouterBackend`: a :class:`phaseserve.serving.Router` over prefill and decode server processes, driven
+  by ``submit`` / ``poll`` / ``cancel``.
+
+Each backend also reports gauges and running totals (:meth:`EngineBackend.stats`) for ``/metrics``. When idle,
+the engine backend starts a fresh measurement window (``Engine.reset_metrics``) so a long-running server does
+not keep every finished output; the totals it reports carry over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaseserve.engine import Request, RequestOutput
+
+TOTALS = ("preemptions", "integrity_aborts", "prefix_lookup_pages", "prefix_hit_pages")
+
+
+class EngineBackend:
+    """An in-process :class:`phaseserve.Engine` driven one ``step`` at a time."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._carried = dict.fromkeys(TOTALS, 0)  # totals from measurement windows already reset
+        self._busy = False
+
+    @property
+    def limits(self) -> Any:
+        return self.engine.limits
+
+    def submit(self, req: Request) -> RequestOutput:
+        if not self._busy:  # a measurement window per busy period: summary() counts busy time only
+            self.engine.metrics.begin()
+            self._busy = True
+        return self.engine.add_request(req)
+
+    def cancel(self, rid: str) -> bool:
+        return self.engine.cancel(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_work
+
+    def advance(self) -> None:
+        self.engine.step()
+
+    def idle(self) -> None:
+        """Nothing in flight: close the measurement window and start a fresh one (totals carry over)."""
+        if not self._busy:
+            return
+        self.engine.metrics.finish()
+        self._busy = False
+        if len(self.engine.outputs) > 1024:
+            for k, v in self._totals().items():
+                self._carried[k] += v
+            self.engine.reset_metrics()
+
+    def _totals(self) -> dict[str, int]:
+        e = self.engine
+        return {"preemptions": e.metrics.preemptions, "integrity_aborts": e.metrics.aborts,
+                "prefix_lookup_pages": e.scheduler.lookup_pages, "prefix_hit_pages": e.scheduler.hit_pages}
+
+    def stats(self) -> dict[str, float]:
+        """Gauges now and totals since start: running / waiting requests, KV pages used / free, and :data:`TOTALS`."""
+        e = self.engine
+        free = e.allocator.num_free
+        out = {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+               "kv_pages_used": e.num_pages - 1 - free, "kv_pages_free": free}
+        out.update({k: v + self._carried[k] for k, v in self._totals().items()})
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class RouterBackend:
+    """A :class:`phaseserve.serving.Router` (prefill and decode server processes); ``advance`` relays messages."""
+
+    def __init__(self, router: Any, poll_s: float = 0.002):
+        self.router, self.poll_s = router, poll_s
+
+    @property
+    def limits(self) -> Any:
+        return self.router.limits
+
+    def submit(self, req: Request) -> RequestOutput:
+        return self.router.submit(req)
+
+    def cancel(self, rid: str) -> bool:
+        return self.router.cancel(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return self.router.has_work
+
+    def advance(self) -> None:
+        self.router.poll(self.poll_s)
+
+    def idle(self) -> None:
+        r = self.router  # forget finished requests (the router keeps them to refuse a reused id while in flight)
+        for rid in [k for k, s in r.state.items() if s == "done"]:
+            for table in (r.state, r.outputs, r.requests, r.descriptors):
+                table.pop(rid, None)
+
+    def stats(self) -> dict[str, float]:
+        states = list(self.router.state.values())
+        return {"running": states.count("decode"), "waiting": states.count("prefill")}
+
+    def close(self) -> None:
+        self.router.shutdown()
+
+
+@dataclass
+class Handle:
+    """One submitted request as the HTTP side sees it: ``await get()`` -> ``("tokens", [ids])`` or
+    ``("done", RequestOutput)`` (the last item)."""
+
+    request: Request
+    aio: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output: RequestOutput | None = None  # set by the loop thread on submission
+    sent: int = 0  # tokens handed to ``queue`` so far (loop thread only)
+
+    async def get(self) -> tuple[str, Any]:
+        return await self.queue.get()
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        self.aio.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """Runs ``backend`` in a thread; :meth:`submit` and :meth:`cancel` are safe from any thread.
+
+    ``on_finish(handle)`` and ``on_step(stats)`` (optional) are called from the loop thread (metrics)."""
+
+    def __init__(self, backend: Any, on_finish=None, on_step=None):
+        self.backend, self.on_finish, self.on_step = backend, on_finish, on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, Handle] = {}
+        self._stop = threading.Event()
+        self.error: BaseException | None = None  # what ended the loop thread, if anything did
+        self._thread = threading.Thread(target=self._run, name="phaseserve-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- any thread ---------------------------------------------------------------------------------------
+    def submit(self, req: Request, aio: asyncio.AbstractEventLoop | None = None) -> Handle:
+        h = Handle(request=req, aio=aio or asyncio.get_running_loop())
+        self._inbox.put(("submit", h))
+        return h
+
+    def cancel(self, rid: str) -> None:
+        self._inbox.put(("cancel", rid))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout_s)
+        self.backend.close()
+
+    # ---- the loop thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.backend.has_work or bool(self._active)
+                self._drain(block=not busy)
+                if self.backend.has_work:
+                    self.backend.advance()
+                self._deliver()
+                if not self.backend.has_work and not self._active:
+                    self.backend.idle()
+                if self.on_step is not None:
+                    self.on_step(self.backend.stats())
+        except BaseException as e:  # the loop itself broke (not one request): fail every waiter, say why
+            self.error = e
+            for h in self._active.values():
+                h._put(("failed", e))
+            raise
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                kind, arg = item
+                if kind == "submit":
+                    arg.output = self.backend.submit(arg.request)
+                    self._active[arg.request.id] = arg
+                elif kind == "cancel":
+                    self.backend.cancel(arg)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _deliver(self) -> None:
+        for rid, h in list(self._active.items()):
+            out = h.output
+            n = len(out.tokens)
+            if n > h.sent:
+                h._put(("tokens", list(out.tokens[h.sent:n])))
+                h.sent = n
+            if out.finish_reason is not None:
+                if out.metrics.finished is None:
+                    out.metrics.finished = time.perf_counter()
+                del self._active[rid]
+                h._put(("done", out))
+                if self.on_finish is not None:
+                    self.on_finish(h)

@@ -1,0 +1,85 @@
+"""Prometheus metrics of the server (``GET /metrics``), named the way vLLM exports them (``phaseserve:`` prefix).
+
+Per request (observed when it finishes, from the engine's own :class:`~phaseserve.engine.request.RequestMetrics`,
+so the times are the engine's, not the HTTP layer's):
+
+- ``phaseserve:time_to_first_token_seconds``, ``phaseserve:time_per_output_token_seconds``,
+  ``phaseserve:e2e_request_latency_seconds`` (histograms);
+- ``phaseserve:request_success_total{finished_reason}`` (length / stop / aborted / error / cancelled),
+  ``phaseserve:prompt_tokens_total``, ``phaseserve:generation_tokens_total``.
+
+From the backend after every loop iteration (:meth:`ServerMetrics.on_step`):
+
+- gauges ``phaseserve:num_requests_running``, ``phaseserve:num_requests_waiting``, ``phaseserve:kv_pages_used``,
+  ``phaseserve:kv_pages_free``, ``phaseserve:prefix_cache_hit_rate`` (hit pages / looked-up pages since start);
+- counters ``phaseserve:num_preemptions_total``, ``phaseserve:integrity_aborts_total`` (requests ended by a failed
+  page-tag check), ``phaseserve:prefix_cache_queries_total`` / ``phaseserve:prefix_cache_hits_total`` (pages).
+
+Each server has its own registry (several servers can live in one process, e.g. in tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from phaseserve.engine.request import CancelledError
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting", "kv_pages_used": "kv_pages_used",
+          "kv_pages_free": "kv_pages_free"}
+COUNTERS = {"preemptions": "num_preemptions", "integrity_aborts": "integrity_aborts",
+            "prefix_lookup_pages": "prefix_cache_queries", "prefix_hit_pages": "prefix_cache_hits"}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": r}
+        self.ttft = Histogram("phaseserve:time_to_first_token_seconds", "Time to first token (engine clock).",
+                              buckets=LATENCY_BUCKETS, **label).labels(model_name)
+        self.tpot = Histogram("phaseserve:time_per_output_token_seconds", "Mean time per output token after the "
+                              "first.", buckets=LATENCY_BUCKETS, **label).labels(model_name)
+        self.e2e = Histogram("phaseserve:e2e_request_latency_seconds", "Arrival to last token (engine clock).",
+                             buckets=LATENCY_BUCKETS, **label).labels(model_name)
+        self.finished = Counter("phaseserve:request_success", "Finished requests by finish reason.",
+                                labelnames=["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        self.prompt_tokens = Counter("phaseserve:prompt_tokens", "Prompt tokens of finished requests.",
+                                     **label).labels(model_name)
+        self.generation_tokens = Counter("phaseserve:generation_tokens", "Generated tokens of finished requests.",
+                                         **label).labels(model_name)
+        self.gauges = {k: Gauge(f"phaseserve:{name}", name.replace("_", " "), **label).labels(model_name)
+                       for k, name in GAUGES.items()}
+        self.hit_rate = Gauge("phaseserve:prefix_cache_hit_rate", "Prefix-cache hit pages / looked-up pages.",
+                              **label).labels(model_name)
+        self.counters = {k: Counter(f"phaseserve:{name}", name.replace("_", " "), **label).labels(model_name)
+                         for k, name in COUNTERS.items()}
+        self._seen = dict.fromkeys(COUNTERS, 0)
+
+    def on_finish(self, handle) -> None:
+        """A request finished (loop thread): its latencies, reason and token counts."""
+        out = handle.output
+        m = out.metrics
+        reason = "cancelled" if isinstance(out.error, CancelledError) else out.finish_reason
+        self.finished.labels(self.model_name, reason).inc()
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(len(out.tokens))
+        for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
+            if value is not None and out.finish_reason in ("length", "stop"):
+                hist.observe(value)
+
+    def on_step(self, stats: dict) -> None:
+        """Gauges and totals from the backend (loop thread)."""
+        for k, g in self.gauges.items():
+            if k in stats:
+                g.set(stats[k])
+        for k, c in self.counters.items():
+            if k in stats and stats[k] > self._seen[k]:
+                c.inc(stats[k] - self._seen[k])
+                self._seen[k] = stats[k]
+        if stats.get("prefix_lookup_pages"):
+            self.hit_rate.set(stats["prefix_hit_pages"] / stats["prefix_lookup_pages"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,218 @@
+"""OpenAI wire format: pydantic models of the request and response bodies the server speaks, and the error body.
+
+Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`ChatCompletionRequest`
+(``POST /v1/chat/completions``). Unknown fields are ignored, as OpenAI's server does; an invalid value fails
+validation and becomes a 400 with an OpenAI-style body (:func:`error_body`). What the engine cannot do is refused
+here, by name, rather than silently ignored: ``n > 1``, ``best_of``, ``logprobs``, ``echo``, batched prompts.
+
+Sampling fields map onto :class:`phaseserve.Request` (:meth:`SamplingFields.sampling`): ``temperature``,
+``top_p``, ``top_k`` (vLLM's extension; ``-1`` or ``0`` disable it), ``seed``, ``max_tokens``
+(``max_completion_tokens`` for chat), ``ignore_eos`` (vLLM's extension) and ``stop`` (strings, matched on the
+decoded text by the server, see :mod:`phaseserve.server.textout`).
+
+Responses are plain dicts built by :mod:`phaseserve.server.app` in the same shapes (``object`` names
+``text_completion``, ``chat.completion``, ``chat.completion.chunk``), so nothing here is on the hot path of
+streaming.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+U32 = 2**32
+I32_MAX = 2**31 - 1
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI's server does
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None  # None: 1.0 (OpenAI)
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=I32_MAX)] | None = None  # vLLM extension; -1 / 0: off
+    seed: Annotated[int, Field(ge=0, lt=U32)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    ignore_eos: bool = False  # vLLM extension
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("a stop string must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported: send one request per choice")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        """Keyword arguments of :class:`phaseserve.Request` (besides id and prompt)."""
+        return {"max_tokens": max_tokens, "temperature": 1.0 if self.temperature is None else self.temperature,
+                "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": max(self.top_k or 0, 0),
+                "seed": self.seed or 0, "ignore_eos": self.ignore_eos}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
+
+    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of > 1 is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def one_prompt(self) -> str | list[int]:
+        """The prompt as a string or token ids (a one-element list of strings is its string)."""
+        p = self.prompt
+        return p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+
+
+class FunctionDef(_Lenient):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.role in ("system", "developer", "user", "tool") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool = False
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tools(self):
+        if self.logprobs:
+            raise ValueError("logprobs is not supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return self
+
+    def token_budget(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+    @property
+    def tools_on(self) -> bool:
+        """Whether the reply may be a tool call (tools given and ``tool_choice`` is not ``"none"``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One message (and the offending field's dotted path) from pydantic's ``errors()``."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                    for e in errors[:5])
+    return msg or "invalid request", param
