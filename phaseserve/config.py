@@ -266,13 +266,25 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device sets. Indices refer to ``jax.devices()``; ``None`` means 'all' (colocated) or 'split in half'."""
+    """Device sets. Indices refer to ``jax.devices()``. The defaults fit any machine: ``None`` takes the first
+    ``prefill_tp`` devices for prefill and the next ``decode_tp * decode_ep`` for decode (disaggregated; both phases
+    share the only device of a one-device machine), or the first ``decode_tp * decode_ep`` (colocated). A set the
+    machine does not have is a ``ConfigError`` when the engine is built, naming the device count and how to simulate
+    more on a CPU (``phaseserve.sharding``)."""
 
     prefill_devices: tuple[int, ...] | None = None
     decode_devices: tuple[int, ...] | None = None
     prefill_tp: int = 1
     decode_tp: int = 1
     decode_ep: int = 1
+
+    def __post_init__(self):
+        for name in ("prefill_tp", "decode_tp", "decode_ep"):
+            _positive_int(f"MeshConfig.{name}", getattr(self, name))
+        for name in ("prefill_devices", "decode_devices"):
+            ids = getattr(self, name)
+            _check(ids is None or (len(ids) > 0 and all(isinstance(i, int | np.integer) and i >= 0 for i in ids)),
+                   f"MeshConfig.{name} must be None or a non-empty tuple of device indices >= 0, got {ids!r}")
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,10 @@ def test_entry_points_start_quietly():
     loud = subprocess.run([sys.executable, "-c", code.replace("phaseserve.quiet, ", "")], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert "Unable to initialize backend" in loud.stderr  # the line exists here, so the quiet check means something
+
+
+def test_mesh_config_refuses_sizes_and_indices_that_cannot_be():
+    for bad in (dict(decode_tp=0), dict(prefill_tp=-2), dict(decode_ep=1.5), dict(prefill_devices=(-1,)),
+                dict(decode_devices=())):
+        with pytest.raises(ps.ConfigError, match="MeshConfig"):
+            ps.MeshConfig(**bad)
