@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,7 @@ def line_plot(path: Path, series: dict[str, tuple[list, list, list | None, list 
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -166,7 +167,7 @@ def bar_plot(path: Path, groups: list[str], bars: dict[str, tuple[list, list | N
         ax.bar(xs + (i - (len(bars) - 1) / 2) * width, v, width, yerr=err, capsize=3, label=name)
     ax.set_xticks(xs, groups)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -218,7 +219,7 @@ def kv_tokens_plot(path: Path, rows: list[dict], *, title: str) -> Path:
     ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("resident KV tokens per replica")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
