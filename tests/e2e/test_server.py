@@ -14,11 +14,13 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 import phaseserve as ps
+from phaseserve.cache.faults import FaultInjector
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import TOOLS, examples
 from phaseserve.eval.demo import default_model_path
@@ -220,6 +222,34 @@ def test_a_disconnect_mid_stream_cancels_the_request_and_frees_its_pages(server)
     after = _metric(port, name)
     assert after == cancelled + 1
     server["engine"].check_invariants()
+
+
+def test_an_integrity_abort_is_a_500_for_that_request_only(server):
+    c, engine, port = server["client"], server["engine"], server["port"]
+    victim = TOK.encode(f"victim {time.time()}\n", bos=True)
+    fired: list[str] = []
+
+    def corrupt(eng, rows):  # engine-loop thread: point the victim's first page at a free page, once
+        for s in rows:
+            if not fired and list(s.request.prompt) == victim and len(s.output.tokens) >= 2:
+                FaultInjector(eng.tables).point_at_free_page(s.id, 0)
+                fired.append(s.id)
+
+    aborts = _metric(port, "phaseserve:integrity_aborts_total")
+    engine.fault_hooks.append(corrupt)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            bystander = pool.submit(c.completions.create, model=MODEL, prompt=TOK.encode("import os\n", bos=True),
+                                    max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+            with pytest.raises(openai.InternalServerError) as e:
+                c.completions.create(model=MODEL, prompt=victim, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            assert "KVIntegrityError" in str(e.value)
+            assert bystander.result().usage.completion_tokens == 40
+    finally:
+        engine.fault_hooks.remove(corrupt)
+    assert fired and _metric(port, "phaseserve:integrity_aborts_total") == aborts + 1
+    assert _idle(port)
 
 
 def test_64_concurrent_streams_complete_with_the_in_process_engine_tokens(server):
