@@ -145,7 +145,8 @@ def soak_arm(cfg, params, serve: ServeConfig, spec: SoakSpec, reqs: list[Request
         errors=sum(o.finish_reason == "error" for o in outs.values()),
         pages_leaked=eng.num_pages - 1 - eng.allocator.num_free, swap=dict(eng.swap_stats),
         unfinished=sum(o.finish_reason is None for o in outs.values()))
-    return counters, {rid: (o.tokens, o.finish_reason, rid in cancelled) for rid, o in outs.items()}
+    return counters, {rid: (o.tokens, o.finish_reason, rid in cancelled, o.metrics.preemptions > 0)
+                      for rid, o in outs.items()}
 
 
 def compare(got: dict, ref: dict) -> dict:
@@ -156,7 +157,10 @@ def compare(got: dict, ref: dict) -> dict:
     prefix = sum(v[0] == ref[k][: len(v[0])] for k, v in cancel.items())
     tok_same = sum(sum(a == b for a, b in zip(v[0], ref[k], strict=False)) for k, v in done.items())
     tok_all = sum(max(len(v[0]), len(ref[k])) for k, v in done.items())
+    pre = {k: v for k, v in done.items() if v[3]}
     return dict(completed=len(done), equal=equal, equal_rate=equal / len(done) if done else math.nan,
+                preempted=len(pre), preempted_equal=sum(v[0] == ref[k] for k, v in pre.items()),
+                unpreempted_equal=sum(v[0] == ref[k] for k, v in done.items() if not v[3]),
                 cancelled=len(cancel), cancelled_prefix_ok=prefix,
                 token_agreement=tok_same / tok_all if tok_all else math.nan,
                 differing=sorted(k for k, v in done.items() if v[0] != ref[k])[:20])
@@ -219,13 +223,15 @@ def render(results: dict) -> str:
                      f"{a['malformed_typed']}/{a['malformed_refused']}",
                      a["false_positives"], a["pages_leaked"], a["invariant_checks"],
                      f"{r['equal']}/{r['completed']} ({100 * r['equal_rate']:.1f}%)",
+                     f"{r['preempted_equal']}/{r['preempted']}",
+                     f"{r['unpreempted_equal']}/{r['completed'] - r['preempted']}",
                      f"{100 * r['token_agreement']:.2f}%", f"{r['cancelled_prefix_ok']}/{r['cancelled']}"])
         cost.append([arm, a["preemptions"], a["prefill_tokens"], a["prefill_seconds"], sw["swap_outs"],
                      f"{sw['bytes'] / 2**20:.3f}", f"{sw['seconds']:.2f}", a["seconds"]])
     table = rp.markdown_table(
         ["arm (KV / preemption)", "requests", "preemptions", "cancels", "malformed refused (typed / all)",
-         "false positives", "pages leaked", "invariant checks", "completed = replay", "token agreement",
-         "cancelled = replay prefix"], rows)
+         "false positives", "pages leaked", "invariant checks", "completed = replay", "of them preempted",
+         "of them not preempted", "token agreement", "cancelled = replay prefix"], rows)
     costs = rp.markdown_table(["arm", "preemptions", "prefill tokens", "prefill s", "swap-outs",
                                "swapped MiB (one way)", "swap s (both ways)", "arm s"], cost)
     return f"""# Soak: randomized serving under a small KV budget vs a large-budget replay

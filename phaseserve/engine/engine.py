@@ -39,16 +39,7 @@ import numpy as np
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics
-from phaseserve.engine.request import (
-    CancelledError,
-    DuplicateRequestError,
-    InvalidParameterError,
-    Limits,
-    Request,
-    RequestError,
-    RequestOutput,
-    validate,
-)
+from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
 from phaseserve.engine.scheduler import Scheduler, Sequence
 from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, stop_reason
 from phaseserve.model.params import Params
@@ -134,27 +125,14 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput:
         """Queue a request; a malformed one is finished with ``finish_reason="error"`` right away."""
-        out = RequestOutput(id=getattr(req, "id", None))
-        out.metrics.arrival = time.perf_counter()
-        try:
-            req = validate(req, self.limits)
-            if req.id in self._seqs:
-                raise DuplicateRequestError(f"request id {req.id!r} is already in flight")
-        except RequestError as e:
-            return self._reject(out, e)
-        except Exception as e:  # a gap in validate() must still end only this request
-            return self._reject(out, InvalidParameterError(f"request {out.id!r:.40} is malformed: {e!r:.200}"))
-        out.metrics.num_prompt_tokens = len(req.prompt)
+        req, out = open_request(req, self.limits, self._seqs)
+        if req is None:
+            self.metrics.errors += 1
+            return out
         seq = Sequence(request=req, output=out, tokens=list(req.prompt), num_prompt=len(req.prompt))
         self.outputs[req.id] = out
         self._seqs[req.id] = seq
         self.scheduler.add(seq)
-        return out
-
-    def _reject(self, out: RequestOutput, err: RequestError) -> RequestOutput:
-        out.finish_reason, out.error = "error", err
-        out.metrics.finished = time.perf_counter()
-        self.metrics.errors += 1
         return out
 
     def cancel(self, request_id: str) -> bool:

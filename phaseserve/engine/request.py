@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,23 @@ def validate(req: Any, limits: Limits) -> Request:
         top_k=_integer(rid, "top_k", req.top_k, 0, I32_MAX),
         seed=_integer(rid, "seed", req.seed, 0, U32_MAX),
         stop_token_ids=tuple(_token_ids(rid, "stop_token_ids", req.stop_token_ids, limits.vocab_size)))
+
+
+def open_request(req: Any, limits: Limits, in_flight: Any) -> tuple[Request | None, RequestOutput]:
+    """A new request's output: ``(the validated request, its open output)``, or ``(None, an output finished with
+    finish_reason="error" and the typed error)`` for a malformed one or an id in ``in_flight`` (the engine's and
+    the router's one submission path)."""
+    out = RequestOutput(id=getattr(req, "id", None))
+    out.metrics.arrival = time.perf_counter()
+    try:
+        req = validate(req, limits)
+        if req.id in in_flight:
+            raise DuplicateRequestError(f"request id {req.id!r} is already in use")
+    except Exception as e:  # a gap in validate() must still end only this request, with a RequestError
+        out.finish_reason = "error"
+        out.error = e if isinstance(e, RequestError) else InvalidParameterError(
+            f"request {out.id!r:.40} is malformed: {e!r:.200}")
+        out.metrics.finished = time.perf_counter()
+        return None, out
+    out.metrics.num_prompt_tokens = len(req.prompt)
+    return req, out

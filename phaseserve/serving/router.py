@@ -30,15 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from phaseserve.config import ModelConfig
-from phaseserve.engine.request import (
-    CancelledError,
-    DuplicateRequestError,
-    Limits,
-    Request,
-    RequestError,
-    RequestOutput,
-    validate,
-)
+from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
 from phaseserve.engine.workers import stop_reason
 from phaseserve.serving.decode_server import serve_decode
 from phaseserve.serving.prefill_server import serve_prefill
@@ -130,18 +122,10 @@ class Router:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def submit(self, req: Request) -> RequestOutput:
-        out = RequestOutput(id=getattr(req, "id", None))
-        out.metrics.arrival = time.perf_counter()
-        try:
-            req = validate(req, self.limits)
-            if req.id in self.outputs:
-                raise DuplicateRequestError(f"request id {req.id!r} is already in use")
-        except RequestError as e:
-            out.finish_reason, out.error = "error", e
-            out.metrics.finished = time.perf_counter()
+        req, out = open_request(req, self.limits, self.outputs)  # ids stay in use after they finish here
+        if req is None:
             return out
         self.outputs[req.id], self.requests[req.id] = out, req
-        out.metrics.num_prompt_tokens = len(req.prompt)
         if "prefill" in self.dead:
             self._end(req.id, "aborted", PeerDeadError("the prefill server is dead"))
         else:
