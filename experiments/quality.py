@@ -12,14 +12,16 @@ from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
 from phaseserve.eval.demo import default_model_path
-from phaseserve.eval.quality import run
+from phaseserve.eval.quality import final_lines, run
 
 
 @hydra.main(config_path="../configs", config_name="quality", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(cfg.checkpoint or default_model_path(), HydraConfig.get().runtime.output_dir,
-        num_requests=cfg.num_requests, max_tokens=cfg.max_tokens, num_windows=cfg.num_windows,
-        calib_sequences=cfg.calib_sequences, seed=cfg.seed, progress=print)
+    out = HydraConfig.get().runtime.output_dir
+    rows = run(cfg.checkpoint or default_model_path(), out, num_requests=cfg.num_requests, max_tokens=cfg.max_tokens,
+               num_windows=cfg.num_windows, calib_sequences=cfg.calib_sequences, seed=cfg.seed, progress=print)
+    for line in final_lines(rows, out):  # verdicts, then the run directory
+        print(line)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,9 @@ def run(model_path: str | Path, out_dir: str | Path, *, num_requests: int = 48, 
     calib = _calibration(f32, cfg, calib_sequences, 128, seed)
     reqs = examples(num_requests, "heldout", seed=seed)
     prompts = [r.prompt_ids(ps_tok()) for r in reqs]
-    rows: dict[str, Any] = {"weights": {}, "serving": []}
+    rows: dict[str, Any] = {"settings": {"num_requests": num_requests, "max_tokens": max_tokens,
+                                         "num_windows": num_windows, "calib_sequences": calib_sequences, "seed": seed},
+                            "weights": {}, "serving": []}
     reps = {}
     for name in WEIGHTS:
         progress(f"weights {name}")
@@ -138,6 +140,37 @@ def run(model_path: str | Path, out_dir: str | Path, *, num_requests: int = 48, 
     (out / "quality.json").write_text(json.dumps(rows, indent=2))
     (out / "README.md").write_text(markdown(rows, cfg, num_requests, max_tokens, num_windows))
     return rows
+
+
+def render(out_dir: str | Path, model_path: str | Path) -> list[str]:
+    """Rewrite ``README.md`` from ``quality.json`` (limits re-checked; nothing measured); returns the last lines."""
+    out = Path(out_dir)
+    rows = json.loads((out / "quality.json").read_text())
+    ref = rows["weights"]["float32"]
+    rows["limits_broken"] = {name: check(name, m, ref) for name, m in rows["weights"].items()}
+    st = rows["settings"]
+    cfg = ps.ModelConfig.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
+    (out / "README.md").write_text(markdown(rows, cfg, st["num_requests"], st["max_tokens"], st["num_windows"]))
+    return final_lines(rows, out)
+
+
+def final_lines(rows: dict, out_dir: str | Path) -> list[str]:
+    """The experiment's last lines: each representation against float32 within LIMITS, the engine's tool-call and
+    agreement ranges, then the run directory."""
+    ref, broken = rows["weights"]["float32"], rows.get("limits_broken", {})
+    reps = [n for n in rows["weights"] if n != "float32"]
+    ok = not any(broken.values())
+    serving = rows["serving"]
+    return [
+        "weights vs float32 (KL nats, top-1, perplexity): " + "; ".join(
+            f"{n} {rows['weights'][n]['kl']:.4f}, {rows['weights'][n]['top1']:.3f}, "
+            f"{100 * (rows['weights'][n]['ppl'] / ref['ppl'] - 1):+.2f}%" for n in reps)
+        + " -> " + ("every limit holds" if ok else "; ".join(x for xs in broken.values() for x in xs)),
+        f"through the engine ({len(serving)} combinations): tool-call validity "
+        f"{min(r['validity'] for r in serving):.3f}..{max(r['validity'] for r in serving):.3f}, greedy token "
+        f"agreement vs float32 {min(r['token_agreement_vs_f32'] for r in serving):.3f}.."
+        f"{max(r['token_agreement_vs_f32'] for r in serving):.3f}",
+        f"run directory: {out_dir}"]
 
 
 def ps_tok():
@@ -187,4 +220,5 @@ def markdown(rows: dict, cfg, n: int, max_tokens: int, num_windows: int) -> str:
     return "\n".join(lines + ["", "Against the goals (measured, not fitted):", *goals] + limits) + "\n"
 
 
-__all__ = ["KV", "LIMITS", "WEIGHTS", "check", "markdown", "represented", "run", "weight_metrics"]
+__all__ = ["KV", "LIMITS", "WEIGHTS", "check", "final_lines", "markdown", "render", "represented", "run",
+           "weight_metrics"]
