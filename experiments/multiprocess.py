@@ -1,0 +1,31 @@
+"""Experiment entry point: multiprocess (two-process disaggregated serving against the single-process engine, and
+the KV bytes on the wire).
+
+Logic in phaseserve/bench/multiprocess.py, settings in configs/experiment/multiprocess.yaml. Starts two server
+processes (spawned; they share the CPU cores).
+
+    python experiments/multiprocess.py                    # into outputs/multiprocess/<date>/
+    python experiments/multiprocess.py hydra.run.dir=benchmarks/multiprocess
+"""
+
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
+from phaseserve.bench import multiprocess, setup_jax
+
+
+@hydra.main(config_path="../configs", config_name="experiment/multiprocess", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    setup_jax(cfg)
+    out = HydraConfig.get().runtime.output_dir
+    results = multiprocess.run(cfg, out, log=print if cfg.progress else lambda *_: None)
+    print("\n".join(multiprocess.verdict_lines(results)))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
