@@ -2,7 +2,8 @@
 
 Public API (see DESIGN.md):
 
-- ``load_checkpoint(path, dtype)`` -> ``(cfg, params)``; ``init_params(cfg, key, dtype)``
+- ``load_checkpoint(path, dtype, strict=True)`` -> ``(cfg, params)`` (plain, FP8 or INT4 as stored)
+- ``init_params(cfg, key, dtype)``
 - ``forward(params, cfg, tokens)`` -> logits
 - ``Engine(cfg, params, ServeConfig(...)).generate([Request(...)])`` -> ``RequestOutput``s
 - ``planner.plan(model, gpu, num_gpus, weights, kv)`` -> capacity / roofline dict
@@ -21,15 +22,10 @@ from phaseserve.config import (
     UnsupportedArchitectureError,
 )
 from phaseserve.engine import Engine, Request, RequestError, RequestOutput
-from phaseserve.model.loader import (
-    CheckpointError,
-    MissingTensorError,
-    ShapeMismatchError,
-    UnexpectedTensorError,
-    load_checkpoint,
-)
+from phaseserve.model.loader import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from phaseserve.model.params import Params, abstract_params, init_params
 from phaseserve.model.transformer import forward, prefill
+from phaseserve.quant.loader import load_checkpoint  # the one loader: plain, FP8 and INT4 checkpoints
 
 __all__ = [
     "CacheConfig", "CheckpointError", "ConfigError", "Engine", "MeshConfig", "MissingTensorError", "ModelConfig",

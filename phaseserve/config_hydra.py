@@ -222,8 +222,8 @@ def load_model(cfg: DictConfig) -> tuple[ModelConfig, Any]:
     """``(ModelConfig, params)``: a checkpoint, or random weights (one jitted init) of a preset / inline dict."""
     import jax
 
-    from phaseserve.model.loader import load_checkpoint
     from phaseserve.model.params import init_params
+    from phaseserve.quant.loader import load_checkpoint  # the one loader: plain, FP8 and INT4 checkpoints
 
     m = cfg.model
     given = [k for k in ("checkpoint", "preset", "hf") if m.get(k)]

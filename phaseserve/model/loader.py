@@ -5,19 +5,26 @@ Every parameter leaf of :func:`abstract_params` names the HF tensor(s) it comes 
 are stacked from their per-expert tensors; ``nn.Linear`` weights are transposed to ``[in, out]``). A missing
 tensor, an unexpected one or a shape mismatch raises a :class:`CheckpointError` subclass naming it.
 Tensors of layers beyond ``num_hidden_layers`` (DeepSeek-V3/GLM multi-token-prediction layers) and
-rotary ``inv_freq`` buffers are ignored, as transformers ignores them.
+rotary ``inv_freq`` buffers are ignored, as transformers ignores them; a multimodal wrapper's vision tensors are
+not read. Any other tensor no leaf consumed is an error naming it (``strict=True``, the default), or is skipped
+and listed in a :class:`SkippedTensorsWarning` (``strict=False``).
+
+This module reads plain (float) checkpoints; :mod:`phaseserve.quant.loader` plugs the quantized formats into
+:func:`load_checkpoint`'s reader hook and is the public ``phaseserve.load_checkpoint``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -43,6 +50,10 @@ class UnexpectedTensorError(CheckpointError):
 
 class ShapeMismatchError(CheckpointError):
     pass
+
+
+class QuantizedCheckpointError(CheckpointError):
+    """A quantized checkpoint (or tensor) given to a reader that does not decode quantized formats."""
 
 
 # our leaf path (after "layers.{i}.") -> HF suffix (after "model.layers.{i}."); "T" marks nn.Linear weights.
@@ -107,8 +118,19 @@ def hf_sources(path: str, info: ArrayInfo) -> tuple[list[str], bool]:
     return [f"model.layers.{i}.{name}"], t
 
 
+# safetensors dtypes that its numpy/flax readers do not decode: read from the file's bytes with ml_dtypes.
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+               "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+_LM_PREFIX = "language_model."
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
 class TensorStore:
-    """Lazy access to the tensors of one HF checkpoint directory (single file or sharded index)."""
+    """Lazy access to the tensors of one HF checkpoint directory (single file or sharded index).
+
+    Names are *logical*: a multimodal wrapper's ``language_model.`` prefix (Kimi K2.5/K2.6
+    ``KimiK25ForConditionalGeneration``) is dropped and its vision tensors (``vision_tower.``, ``mm_projector.``,
+    ``multi_modal_projector.``) are listed in :attr:`vision` and never read."""
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
@@ -121,9 +143,17 @@ class TensorStore:
                 raise CheckpointError(f"no *.safetensors files in {self.dir}")
             weight_map = {}
             for f in files:
-                with safe_open(f, "flax") as h:
+                with safe_open(f, "numpy") as h:
                     weight_map.update({k: f.name for k in h.keys()})
-        self.weight_map: dict[str, str] = weight_map
+        self.weight_map: dict[str, str] = {}  # logical name -> file
+        self.file_name: dict[str, str] = {}  # logical name -> name in the file
+        self.vision: list[str] = []
+        for n, f in weight_map.items():
+            if n.startswith(_VISION_PREFIXES):
+                self.vision.append(n)
+                continue
+            logical = n[len(_LM_PREFIX):] if n.startswith(_LM_PREFIX) else n
+            self.weight_map[logical], self.file_name[logical] = f, n
         self._handles: dict[str, Any] = {}
 
     def _handle(self, name: str):
@@ -132,16 +162,36 @@ class TensorStore:
             self._handles[fname] = safe_open(self.dir / fname, "flax")
         return self._handles[fname]
 
+    def _slice(self, name: str):
+        return self._handle(name).get_slice(self.file_name[name])
+
     def names(self) -> set[str]:
         return set(self.weight_map)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string: ``BF16``, ``F32``, ``F8_E4M3``, ``I32``, ..."""
+        return self._slice(name).get_dtype()
 
     def get(self, name: str) -> np.ndarray:
-        """Host numpy array (bf16 and fp8 via ml_dtypes)."""
-        with jax.default_device(jax.devices("cpu")[0]):
-            return np.asarray(self._handle(name).get_tensor(name))
+        """Host numpy array: bf16 and the float8 types (``F8_E4M3``, ``F8_E5M2``, ``F8_E8M0``) as ml_dtypes.
+        The float8 types, which safetensors' readers do not decode, are read from the file's bytes."""
+        dtype = self.dtype(name)
+        if dtype not in _RAW_DTYPES:
+            with jax.default_device(jax.devices("cpu")[0]):
+                return np.asarray(self._handle(name).get_tensor(self.file_name[name]))
+        path = self.dir / self.weight_map[name]
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(n))[self.file_name[name]]
+        start, end = meta["data_offsets"]
+        raw = np.fromfile(path, np.uint8, count=end - start, offset=8 + n + start)
+        return raw.view(_RAW_DTYPES[dtype]).reshape(meta["shape"])
 
 
 def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
@@ -154,51 +204,86 @@ def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf_config(hf), hf
 
 
-LeafReader = Callable[[TensorStore, list[str], bool, ArrayInfo], np.ndarray]
+def quantization_config(hf: dict) -> dict:
+    """``config.json``'s ``quantization_config`` (a multimodal wrapper may keep it in ``text_config``); {} if none."""
+    return hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {}
 
 
-def read_plain(store: TensorStore, names: list[str], transpose: bool, info: ArrayInfo) -> np.ndarray:
-    """Read (and stack/transpose) a leaf's tensors, checking every shape against ``info``."""
+# (store, HF names of the leaf, transpose?, the leaf's ArrayInfo, quantization_config) -> (leaf, tensors consumed)
+LeafReader = Callable[[TensorStore, list[str], bool, ArrayInfo, dict], tuple[Any, set[str]]]
+
+
+def read_plain(store: TensorStore, names: list[str], transpose: bool, info: ArrayInfo, qcfg: dict,
+               ) -> tuple[np.ndarray, set[str]]:
+    """Read (and stack/transpose) a leaf's tensors, checking every name, shape and dtype against ``info``."""
     expect = info.shape[1:] if len(names) > 1 else info.shape
     expect_hf = tuple(reversed(expect)) if transpose else expect
     arrays = []
     for n in names:
+        if n not in store:
+            raise MissingTensorError(f"checkpoint {store.dir} lacks tensor {n!r}")
         got = store.shape(n)
         if got != expect_hf:
             raise ShapeMismatchError(f"tensor {n!r} has shape {got}, expected {expect_hf}")
+        if store.dtype(n).startswith("F8"):
+            raise QuantizedCheckpointError(f"tensor {n!r} is {store.dtype(n)}: a quantized weight, which this "
+                                           f"reader does not dequantize; load the checkpoint with "
+                                           f"phaseserve.load_checkpoint")
         a = store.get(n)
         arrays.append(a.T if transpose else a)
-    return np.stack(arrays) if len(names) > 1 else arrays[0]
+    return (np.stack(arrays) if len(names) > 1 else arrays[0]), set(names)
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32", reader: LeafReader = read_plain,
-                    store_factory: Callable[[Path], TensorStore] = TensorStore) -> tuple[ModelConfig, Params]:
+class SkippedTensorsWarning(UserWarning):
+    """``strict=False``: the checkpoint had tensors the loader did not use (listed in ``.names``)."""
+
+    def __init__(self, message: str, names: list[str]):
+        super().__init__(message)
+        self.names = names
+
+
+def load_checkpoint(path: str | Path, dtype: str = "float32", reader: LeafReader = read_plain, *,
+                    strict: bool = True) -> tuple[ModelConfig, Params]:
     """Read an HF checkpoint directory into ``(cfg, params)`` with every floating leaf cast to ``dtype``
-    (routers and correction biases stay float32). ``reader`` and ``store_factory`` let quantized formats
-    (``phaseserve.quant.formats``) present their component tensors under the plain names and return
-    quantized leaves (anything that is not an ``np.ndarray`` is kept as the reader returns it)."""
+    (routers and correction biases stay float32).
+
+    This is the reading machinery; the public loader is ``phaseserve.load_checkpoint``
+    (:mod:`phaseserve.quant.loader`), which passes the reader of the quantized formats. With the default plain
+    reader a checkpoint that declares a ``quantization_config`` is refused (:class:`QuantizedCheckpointError`).
+    ``reader`` returns each leaf (an ``np.ndarray`` is cast to ``dtype``, anything else is kept as returned) and
+    the tensors it consumed. ``strict``: a tensor nobody consumed is an :class:`UnexpectedTensorError` naming
+    it; ``strict=False`` skips such tensors and lists them in a :class:`SkippedTensorsWarning`."""
     dtype = canonical_dtype(dtype)
-    cfg, _ = read_config(path)
-    store = store_factory(Path(path))
+    cfg, hf = read_config(path)
+    qcfg = quantization_config(hf)
+    if qcfg and reader is read_plain:
+        raise QuantizedCheckpointError(f"{path} declares quantization_config (quant_method "
+                                       f"{qcfg.get('quant_method')!r}): load it with phaseserve.load_checkpoint")
+    store = TensorStore(Path(path))
     abstract = abstract_params(cfg, dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_info)
     used: set[str] = set()
-    available = store.names()
     leaves = []
     for kp, info in flat:
         names, transpose = hf_sources(leaf_path(kp), info)
-        missing = [n for n in names if n not in available]
-        if missing:
-            raise MissingTensorError(f"checkpoint {path} lacks tensor {missing[0]!r}"
-                                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        arr = reader(store, names, transpose, info)
-        used.update(names)
+        arr, consumed = reader(store, names, transpose, info, qcfg)
+        used |= consumed
         leaves.append(arr if not isinstance(arr, np.ndarray) else jnp.asarray(arr.astype(to_dtype(info.dtype))))
-    extra = sorted(n for n in available - used if not _ignorable(n, cfg))
+    extra = sorted(n for n in store.names() - used if not _ignorable(n, cfg))
+    if extra and strict:
+        raise UnexpectedTensorError(f"checkpoint {path} has unexpected tensor {extra[0]!r}{_hint(extra[0])}"
+                                    + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+                                    + "; strict=False skips unused tensors and lists them")
     if extra:
-        raise UnexpectedTensorError(f"checkpoint {path} has unexpected tensor {extra[0]!r}"
-                                    + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        warnings.warn(SkippedTensorsWarning(f"checkpoint {path}: skipped {len(extra)} unused tensors: "
+                                            + ", ".join(extra), extra), stacklevel=2)
     return cfg, jax.tree.unflatten(treedef, leaves)
+
+
+def _hint(name: str) -> str:
+    if name.endswith(("weight_scale", "weight_scale_inv")):
+        return " (a scale beside a weight that is not stored quantized, e.g. a BF16 weight: it was not applied)"
+    return ""
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:

@@ -1,69 +1,136 @@
-"""Reading the published quantized checkpoint formats straight into FP8 / INT4 weights (no BF16 round trip).
+"""The published quantized checkpoint layouts: what each tensor means, and how one becomes an FP8 / INT4 weight.
 
-**DeepSeek-V3 / GLM FP8** (``quantization_config = {"quant_method": "fp8", "weight_block_size": [bo, bi]}``):
-each quantized ``nn.Linear`` stores ``weight`` as float8_e4m3fn ``[out, in]`` and ``weight_scale_inv`` f32
-``[ceil(out/bo), ceil(in/bi)]`` with ``w ~= weight * scale_inv`` per block (the "inverse" is the scale that
-*dequantizes*). Our :class:`Fp8Weight` is ``[in, out]`` with scale ``[ceil(in/bi), ceil(out/bo)]`` and block
-``(bi, bo)``: both arrays are transposed, the fp8 bytes are not touched.
+``config.json``'s ``quantization_config`` names the scheme (:func:`parse_scheme` accepts it or refuses it with
+an :class:`UnsupportedFormatError` naming the scheme and the feature); the tensors beside each ``X.weight`` say
+which layout a linear is stored in. HF stores linears ``[out, in]``; phaseserve's weights are ``[in, out]``, so
+every array below is transposed on load and nothing else is touched (no value is dequantized and re-rounded).
 
-**compressed-tensors ``pack-quantized``** (Kimi K2-Thinking / K2.5 / K2.6; ``quant_method:
-"compressed-tensors"``, symmetric ``int`` 4-bit weights, strategy ``group`` or ``channel``): each quantized
-linear stores ``weight_packed`` int32 ``[out, in/8]``, ``weight_scale`` ``[out, in/G]`` (bf16 in Kimi's
-files), ``weight_shape`` int32 ``[2]`` = ``(out, in)``. Packing (``compressed_tensors ... pack_to_int32``,
-``packed_dim=1``): the signed value ``q in [-8, 7]`` is stored as ``q + 8``; input column ``c = 8*j + i`` goes
-into word ``j`` at bits ``4*i .. 4*i+3`` (the first column in the least significant nibble)::
+===========================  ============================================  =========================================
+layout (``quant_method``)    tensors of one linear (HF ``[out, in]``)      value / phaseserve weight
+===========================  ============================================  =========================================
+plain (none)                 ``weight`` bf16/f16/f32 ``[out, in]``          the array, cast to the load dtype
+FP8 block (``fp8``,          ``weight`` F8_E4M3 ``[out, in]``,              ``w = weight * scale_inv`` per
+DeepSeek-V3 / GLM)           ``weight_scale_inv`` f32/bf16/F8_E8M0          ``(bo, bi)`` block ->
+                             ``[ceil(out/bo), ceil(in/bi)]``                :class:`Fp8Weight` block ``(bi, bo)``
+FP8 tensor / channel         ``weight`` F8_E4M3, ``weight_scale`` (or       ``w = weight * scale`` -> Fp8Weight block
+(``compressed-tensors``      ``_scale_inv``) ``[]``/``[1]`` (tensor) or     ``(in, out)`` scale ``[1, 1]`` (tensor)
+float-quantized, AutoFP8)    ``[out, 1]``/``[out]`` (channel)               or ``(in, 1)`` scale ``[1, out]``
+INT4 pack-quantized          ``weight_packed`` i32 ``[out, in/8]``,         ``w = (nibble - 8) * scale[group]`` ->
+(``compressed-tensors``,     ``weight_scale`` bf16/f16/f32 ``[out, in/G]``  :class:`Int4Weight` group ``G`` (channel:
+Kimi K2-Thinking/K2.5/K2.6)  (channel: ``[out, 1]``), ``weight_shape``      ``G = in``), nibbles re-packed
+                             i32 ``[2]``; optional ``weight_g_idx``
+                             i32 ``[in]``
+===========================  ============================================  =========================================
 
-    word j of a row:  bits 31..28   27..24  ...   7..4     3..0
-                      col 8j+7      col 8j+6 ...  col 8j+1  col 8j
+Conventions and defaults:
 
-Loading unpacks the nibbles as integers, transposes them to ``[in, out]`` and re-packs them into
-:class:`Int4Weight`'s two-halves-per-group byte layout (see ``pallas_kernels/int4_matmul.py``); the scales are
-transposed. No value is ever dequantized, so the loaded weight equals quantizing the same float weights
-directly (bit for bit when the scale rule matches). The group size comes from ``quantization_config`` and
-is checked against each tensor's scale shape.
+- Scales always *multiply* (DeepSeek's ``scale_inv`` is the dequantizing scale). F8_E8M0 scales (transformers'
+  ``scale_fmt="ue8m0"``, powers of two) and bf16/f16 scales are widened to f32 exactly (FP8 scales are f32).
+- ``weight_block_size`` absent: ``[128, 128]`` (transformers' ``FineGrainedFP8Config`` default). ``null``: the
+  scale's shape must be per-tensor or per-channel, else the tensor is refused by name.
+- Packing of ``weight_packed`` (``compressed_tensors ... pack_to_int32``, ``packed_dim=1``): the signed value
+  ``q in [-8, 7]`` is stored as ``q + 8``; input column ``c = 8*j + i`` is word ``j``, bits ``4*i .. 4*i+3``::
 
-:func:`load_quantized_checkpoint` reads any HF directory (plain, FP8 or pack-quantized) through
-``phaseserve.model.loader.load_checkpoint``'s reader hook and can convert the result to another policy.
-Kimi K2.5/K2.6's multimodal wrapper is unwrapped (``language_model.`` prefix dropped, vision tower skipped).
-FP8 tensors are read from the safetensors bytes directly (its numpy/flax readers do not decode F8_E4M3).
+      word j of a row:  bits 31..28   27..24  ...   7..4     3..0
+                        col 8j+7      col 8j+6 ...  col 8j+1  col 8j
+
+- ``weight_g_idx`` (GPTQ act-order "group"): ``g_idx[c]`` is the scale group of input column ``c``. The
+  trivial map ``c // G`` loads as INT4; any other map loads as the exact dequantization
+  ``(nibble - 8) * scale[:, g_idx]`` (f32) in the load dtype, since :class:`Int4Weight` groups are contiguous.
+
+Refused (:class:`UnsupportedFormatError`, naming the scheme or tensor and the feature): asymmetric / zero-point
+INT4 (``weight_zero_point``), W8A16 (8-bit int weights), W4A8 / W8A8-int (quantized activations), static FP8
+activation scales (``input_scale``), F8_E5M2 weights, other ``quant_method``s and compressed-tensors formats.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from pallas_kernels.fp8_matmul import Fp8Weight
 from pallas_kernels.int4_matmul import Int4Weight, pack_int4, unpack_int4
-from phaseserve.config import ModelConfig
-from phaseserve.model.loader import (
-    CheckpointError,
-    MissingTensorError,
-    ShapeMismatchError,
-    TensorStore,
-    load_checkpoint,
-    read_plain,
-)
-from phaseserve.model.params import ArrayInfo, Params
-from phaseserve.quant.policy import QuantPolicy
+from phaseserve.model.loader import CheckpointError, ShapeMismatchError
 
-_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
-_LM_PREFIX = "language_model."
-_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
-_COMPONENTS = ("_packed", "_scale_inv", "_scale", "_shape", "_zero_point", "_g_idx")
+DEFAULT_FP8_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default when weight_block_size is absent
 
 
 class UnsupportedFormatError(CheckpointError):
-    """The checkpoint's quantization scheme is not one phaseserve reads."""
+    """The checkpoint uses a quantization scheme or feature phaseserve does not read (named in the message)."""
 
 
-# ---- compressed-tensors int32 packing ------------------------------------------------------------------
+# ---- the scheme of quantization_config --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scheme:
+    """What ``quantization_config`` allows: FP8 weights (with their block) and/or INT4 pack-quantized groups."""
+
+    method: str | None = None  # None (plain), "fp8", "compressed-tensors"
+    fp8: bool = False
+    fp8_block: tuple[int, int] | None = None  # HF (out, in) block; None: per-tensor / per-channel scales only
+    int4_groups: frozenset[int] = frozenset()  # group sizes; 0 stands for strategy "channel"
+
+
+def _describe(w: dict) -> str:
+    kind = f"{w.get('type', 'int')}{w.get('num_bits')}"
+    extra = f" group {w['group_size']}" if w.get("strategy") == "group" else ""
+    sym = "" if w.get("symmetric", True) else " asymmetric"
+    return f"{kind} {w.get('strategy')}{extra}{sym}"
+
+
+def parse_scheme(qcfg: dict) -> Scheme:
+    """Validate ``quantization_config`` (empty: plain) and say what it allows; refusals name the scheme."""
+    if not qcfg:
+        return Scheme()
+    method = qcfg.get("quant_method")
+    if method == "fp8":
+        if qcfg.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedFormatError(f"quant_method 'fp8' with fmt {qcfg.get('fmt')!r}: only e4m3 weights are read")
+        if qcfg.get("activation_scheme", "dynamic") != "dynamic":
+            raise UnsupportedFormatError(f"quant_method 'fp8' with activation_scheme {qcfg['activation_scheme']!r}: "
+                                         "static activation scales are not supported (dynamic only)")
+        block = qcfg["weight_block_size"] if "weight_block_size" in qcfg else DEFAULT_FP8_BLOCK
+        return Scheme("fp8", fp8=True, fp8_block=tuple(int(b) for b in block) if block is not None else None)
+    if method != "compressed-tensors":
+        raise UnsupportedFormatError(f"quant_method {method!r} is not supported (phaseserve reads 'fp8' and "
+                                     "'compressed-tensors')")
+    fp8, block, groups = False, None, set()
+    for gname, group in (qcfg.get("config_groups") or {}).items():
+        w, acts = group.get("weights") or {}, group.get("input_activations")
+        fmt = group.get("format") or qcfg.get("format")
+        what = f"compressed-tensors group {gname!r} ({_describe(w)}, format {fmt!r})"
+        if w.get("type", "int") == "float" and w.get("num_bits") == 8:
+            if fmt not in ("float-quantized", "naive-quantized"):
+                raise UnsupportedFormatError(f"{what}: FP8 weights are read in format 'float-quantized' only")
+            if acts and not acts.get("dynamic", False):
+                raise UnsupportedFormatError(f"{what}: static activation scales (input_scale) are not supported")
+            if w.get("strategy") == "block":
+                block = tuple(int(b) for b in w["block_structure"])
+            elif w.get("strategy") not in ("tensor", "channel"):
+                raise UnsupportedFormatError(f"{what}: FP8 strategy {w.get('strategy')!r} is not supported")
+            fp8 = True
+            continue
+        if w.get("type", "int") != "int" or w.get("num_bits") != 4:
+            feature = "W8A16 (8-bit integer weights)" if w.get("num_bits") == 8 else "this weight type"
+            raise UnsupportedFormatError(f"{what}: {feature} is not supported (INT4 pack-quantized and FP8 are)")
+        if fmt != "pack-quantized":
+            raise UnsupportedFormatError(f"{what}: INT4 is read in format 'pack-quantized' only")
+        if acts:
+            raise UnsupportedFormatError(f"{what}: W4A{acts.get('num_bits')} (quantized activations) is not "
+                                         "supported; INT4 is weight-only (W4A16)")
+        if not w.get("symmetric", True):
+            raise UnsupportedFormatError(f"{what}: asymmetric (zero-point) INT4 is not supported")
+        if w.get("strategy") == "group":
+            groups.add(int(w["group_size"]))
+        elif w.get("strategy") == "channel":
+            groups.add(0)
+        else:
+            raise UnsupportedFormatError(f"{what}: INT4 strategy {w.get('strategy')!r} is not supported")
+    return Scheme("compressed-tensors", fp8=fp8, fp8_block=block, int4_groups=frozenset(groups))
+
+
+# ---- compressed-tensors int32 packing ---------------------------------------------------------------------------
 def unpack_int32_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
     """compressed-tensors ``weight_packed`` i32[R, ceil(C/8)] -> unsigned nibbles u8[R, C] (= q + 8)."""
     words = np.ascontiguousarray(packed).view(np.uint32)
@@ -81,6 +148,20 @@ def pack_int32_nibbles(nibbles: np.ndarray) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
+def int4_group(name: str, scale_shape: tuple[int, ...], in_f: int, scheme: Scheme) -> int:
+    """The group size a ``weight_scale`` of ``scale_shape`` [out, in/G] implies, checked against the scheme."""
+    cols = scale_shape[-1]
+    group = in_f // cols if cols and in_f % cols == 0 else 0
+    if not group or group % 2:
+        raise ShapeMismatchError(f"{name}_scale has shape {scale_shape}: {in_f} input columns do not split into "
+                                 "groups of an even size")
+    allowed = {in_f if g == 0 else g for g in scheme.int4_groups}
+    if group not in allowed:
+        raise ShapeMismatchError(f"{name}_scale implies group size {group}, quantization_config allows "
+                                 f"{sorted(allowed)}")
+    return group
+
+
 def ct_to_int4(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], group_size: int) -> Int4Weight:
     """One compressed-tensors linear (HF ``[out, in]``) -> :class:`Int4Weight` ``[in, out]``, integers only."""
     out_f, in_f = (int(s) for s in shape)
@@ -91,6 +172,12 @@ def ct_to_int4(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], gr
     return pack_int4(jnp.asarray(nib.T), jnp.asarray(np.ascontiguousarray(scale.T)), group_size)
 
 
+def ct_act_order(packed: np.ndarray, scale: np.ndarray, g_idx: np.ndarray, in_f: int) -> np.ndarray:
+    """Act-order INT4: packed i32[out, in/8], scale [out, n_groups], g_idx i32[in] -> exact f32[in, out]."""
+    q = unpack_int32_nibbles(packed, in_f).astype(np.float32) - 8.0  # [out, in]
+    return np.ascontiguousarray((q * scale.astype(np.float32)[:, g_idx]).T)
+
+
 def int4_to_ct(w: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:class:`Int4Weight` ``[in, out]`` -> (``weight_packed``, ``weight_scale``, ``weight_shape``) in HF layout."""
     nib = (np.asarray(unpack_int4(w), np.int16) + 8).astype(np.uint8)  # [in, out]
@@ -98,150 +185,35 @@ def int4_to_ct(w: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pack_int32_nibbles(nib.T), np.ascontiguousarray(np.asarray(w.scale).T), np.array([n, k], np.int32)
 
 
-# ---- DeepSeek/GLM FP8 blocks ----------------------------------------------------------------------------
-def fp8_from_hf(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> Fp8Weight:
-    """``weight`` f8[out, in] + ``weight_scale_inv`` f32[ceil(out/bo), ceil(in/bi)], block (bo, bi) ->
-    :class:`Fp8Weight` ``[in, out]`` with block (bi, bo). The fp8 bytes are only transposed."""
+# ---- FP8 (DeepSeek/GLM blocks; compressed-tensors / AutoFP8 tensor and channel scales) -------------------------
+def fp8_scale_layout(name: str, scale_shape: tuple[int, ...], shape: tuple[int, int],
+                     block: tuple[int, int] | None) -> tuple[int, int]:
+    """The HF ``(bo, bi)`` block a scale of ``scale_shape`` stands for, for a weight of HF ``shape`` [out, in]."""
+    out_f, in_f = shape
+    if block is not None and tuple(scale_shape) == (-(-out_f // block[0]), -(-in_f // block[1])):
+        return block
+    if int(np.prod(scale_shape)) == 1 and len(scale_shape) <= 2:
+        return out_f, in_f  # per tensor
+    if tuple(scale_shape) in ((out_f, 1), (out_f,)):
+        return 1, in_f  # per output channel
+    if block is not None:
+        want = (-(-out_f // block[0]), -(-in_f // block[1]))
+        raise ShapeMismatchError(f"{name} has shape {tuple(scale_shape)}, expected {want} for block {block} "
+                                 "(or a per-tensor / per-channel scale)")
+    raise UnsupportedFormatError(f"{name} has shape {tuple(scale_shape)} and weight_block_size is null: a scale "
+                                 "that is not per-tensor or per-channel needs a block size")
+
+
+def fp8_from_hf(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> Fp8Weight:
+    """``weight`` f8[out, in] + its dequantizing scale (any float dtype, reshaped to the ``(bo, bi)`` grid) ->
+    :class:`Fp8Weight` ``[in, out]`` with block ``(bi, bo)``. The fp8 bytes are only transposed."""
     bo, bi = block
     out_f, in_f = weight.shape
-    want = (-(-out_f // bo), -(-in_f // bi))
-    if scale_inv.shape != want:
-        raise ShapeMismatchError(f"weight_scale_inv has shape {scale_inv.shape}, expected {want} for block {block}")
-    return Fp8Weight(jnp.asarray(np.ascontiguousarray(weight.T)),
-                     jnp.asarray(np.ascontiguousarray(scale_inv.T).astype(np.float32)), (bi, bo))
+    grid = np.asarray(scale).astype(np.float32).reshape(-(-out_f // bo), -(-in_f // bi))
+    return Fp8Weight(jnp.asarray(np.ascontiguousarray(weight.T)), jnp.asarray(np.ascontiguousarray(grid.T)),
+                     (bi, bo))
 
 
 def fp8_to_hf(w: Fp8Weight) -> tuple[np.ndarray, np.ndarray]:
     """:class:`Fp8Weight` -> (``weight`` f8[out, in], ``weight_scale_inv`` f32) in HF layout."""
     return np.ascontiguousarray(np.asarray(w.q).T), np.ascontiguousarray(np.asarray(w.scale).T)
-
-
-# ---- the reader hook -------------------------------------------------------------------------------------
-class QuantizedTensorStore(TensorStore):
-    """A :class:`TensorStore` that presents ``X.weight_packed/_scale/_shape`` and ``X.weight_scale_inv`` under
-    the plain name ``X.weight`` (so the loader's missing/unexpected checks work on logical tensors).
-
-    Multimodal wrappers (Kimi K2.5/K2.6 ``KimiK25ForConditionalGeneration``) are unwrapped: a
-    ``language_model.`` prefix is dropped and vision tensors (``vision_tower.``, ``mm_projector.``,
-    ``multi_modal_projector.``) are skipped; ``quantization_config`` may sit in ``text_config``."""
-
-    def __init__(self, directory: Path):
-        super().__init__(directory)
-        self.file_name: dict[str, str] = {}  # logical name -> name in the file
-        weight_map = {}
-        for n, f in self.weight_map.items():
-            if n.startswith(_VISION_PREFIXES):
-                continue
-            logical = n[len(_LM_PREFIX):] if n.startswith(_LM_PREFIX) else n
-            weight_map[logical], self.file_name[logical] = f, n
-        self.weight_map = weight_map
-        self.raw = set(weight_map)
-        hf = json.loads((self.dir / "config.json").read_text())
-        hf = hf.get("text_config", hf) if not hf.get("quantization_config") else hf
-        self.qcfg = hf.get("quantization_config") or {}
-        self.fp8_block = tuple(self.qcfg.get("weight_block_size") or (128, 128))
-        self.group_sizes = _ct_group_sizes(self.qcfg)
-
-    def names(self) -> set[str]:
-        out = set()
-        for n in self.raw:
-            for c in _COMPONENTS:
-                if n.endswith(".weight" + c):
-                    n = n[: -len(c)]
-                    break
-            out.add(n)
-        return out
-
-    def has(self, name: str) -> bool:
-        return name in self.raw
-
-    def _slice(self, name: str):
-        return self._handle(name).get_slice(self.file_name[name])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.raw and name + "_shape" in self.raw:
-            return tuple(int(s) for s in np.asarray(self.get(name + "_shape")).reshape(-1))
-        return tuple(self._slice(name).get_shape())
-
-    def get(self, name: str) -> np.ndarray:
-        """Host numpy array; FP8 tensors, which safetensors' numpy/flax readers do not decode, are read
-        straight from the file (header offsets) as ``ml_dtypes.float8_e4m3fn``."""
-        fname = self.file_name[name]
-        dtype = self._slice(name).get_dtype()
-        if dtype not in _RAW_DTYPES:
-            with jax.default_device(jax.devices("cpu")[0]):
-                return np.asarray(self._handle(name).get_tensor(fname))
-        path = self.dir / self.weight_map[name]
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            meta = json.loads(f.read(n))[fname]
-        start, end = meta["data_offsets"]
-        raw = np.fromfile(path, np.uint8, count=end - start, offset=8 + n + start)
-        return raw.view(_RAW_DTYPES[dtype]).reshape(meta["shape"])
-
-
-def _ct_group_sizes(qcfg: dict) -> set[int]:
-    if qcfg.get("quant_method") != "compressed-tensors":
-        return set()
-    fmt = qcfg.get("format")
-    sizes = set()
-    for group in (qcfg.get("config_groups") or {}).values():
-        w = group.get("weights") or {}
-        gfmt = group.get("format") or fmt
-        if gfmt != "pack-quantized" or w.get("num_bits") != 4 or w.get("type", "int") != "int":
-            raise UnsupportedFormatError(f"compressed-tensors group {group} is not 4-bit int pack-quantized")
-        if not w.get("symmetric", True):
-            raise UnsupportedFormatError("asymmetric (zero-point) int4 is not supported")
-        if group.get("input_activations"):
-            raise UnsupportedFormatError("activation quantization is not supported (weight-only int4 only)")
-        if w.get("strategy") == "group":
-            sizes.add(int(w["group_size"]))
-        elif w.get("strategy") != "channel":
-            raise UnsupportedFormatError(f"int4 strategy {w.get('strategy')!r} is not supported")
-    return sizes
-
-
-def read_quantized(store: QuantizedTensorStore, names: list[str], transpose: bool, info: ArrayInfo) -> Any:
-    """Loader hook: a leaf from packed int4, fp8 blocks or plain tensors (routed experts are stacked)."""
-    first = names[0]
-    kind = "int4" if store.has(first + "_packed") else "fp8" if store.has(first + "_scale_inv") else "plain"
-    if kind == "plain":
-        return read_plain(store, names, transpose, info)
-    if not transpose:
-        raise UnsupportedFormatError(f"{first}: only linear weights can be quantized")
-    expect_hf = tuple(reversed(info.shape[-2:]))
-    parts = []
-    for n in names:
-        for comp in ("_packed", "_scale", "_shape") if kind == "int4" else ("_scale_inv",):
-            if not store.has(n + comp):
-                raise MissingTensorError(f"checkpoint {store.dir} lacks tensor {n + comp!r}")
-        if store.shape(n) != expect_hf:
-            raise ShapeMismatchError(f"tensor {n!r} has shape {store.shape(n)}, expected {expect_hf}")
-        if kind == "int4":
-            scale = store.get(n + "_scale")
-            group = expect_hf[1] // scale.shape[1]
-            if store.group_sizes and group not in store.group_sizes and scale.shape[1] != 1:
-                raise ShapeMismatchError(f"{n}_scale implies group size {group}, config says {store.group_sizes}")
-            parts.append(ct_to_int4(store.get(n + "_packed"), scale, expect_hf, group))
-        else:
-            parts.append(fp8_from_hf(store.get(n), store.get(n + "_scale_inv"), store.fp8_block))
-    if len(parts) == 1:
-        return parts[0]
-    if kind == "int4":
-        return Int4Weight(jnp.stack([p.packed for p in parts]), jnp.stack([p.scale for p in parts]),
-                          parts[0].group_size)
-    return Fp8Weight(jnp.stack([p.q for p in parts]), jnp.stack([p.scale for p in parts]), parts[0].block)
-
-
-def load_quantized_checkpoint(path: str | Path, dtype: str = "bfloat16", policy: str | QuantPolicy | None = None,
-                              ) -> tuple[ModelConfig, Params]:
-    """Read an HF checkpoint (plain, DeepSeek/GLM FP8, or compressed-tensors int4) as shipped: quantized
-    linears become :class:`Fp8Weight` / :class:`Int4Weight`, the rest is cast to ``dtype``. With ``policy``,
-    the result is converted to that policy afterwards; leaves already in the policy's representation are
-    kept bit for bit (so ``policy="kimi-int4"`` on a Kimi checkpoint converts nothing)."""
-    cfg, params = load_checkpoint(path, dtype, reader=read_quantized, store_factory=QuantizedTensorStore)
-    if policy is not None:
-        from phaseserve.quant.quantize import quantize_params
-
-        params = quantize_params(params, policy)
-    return cfg, params

@@ -27,10 +27,10 @@ from phaseserve.quant import quantize_params, resolve_policy
 from phaseserve.quant.formats import (
     UnsupportedFormatError,
     int4_to_ct,
-    load_quantized_checkpoint,
     pack_int32_nibbles,
     unpack_int32_nibbles,
 )
+from phaseserve.quant.loader import load_checkpoint
 from phaseserve.quant.quantize import named_leaves
 
 _LINEAR_SKIP = ("embed_tokens", "lm_head", "mlp.gate.weight", "norm")
@@ -155,7 +155,7 @@ def test_int32_packing_order_matches_compressed_tensors():
 # ---- FP8 (DeepSeek-V3 / GLM) ----------------------------------------------------------------------------
 def test_fp8_checkpoint_equals_direct_quantization(hf_dir, tmp_path):
     write_fp8(hf_dir, tmp_path / "fp8")
-    cfg, loaded = load_quantized_checkpoint(tmp_path / "fp8", dtype="bfloat16", policy="glm-fp8")
+    cfg, loaded = load_checkpoint(tmp_path / "fp8", dtype="bfloat16", policy="glm-fp8")
     _, base = ps.load_checkpoint(hf_dir, "float32")
     direct = quantize_params(base, "glm-fp8")  # the float weights the file was written from
     wkv_a = loaded.layers[0].attn.wkv_a
@@ -166,10 +166,10 @@ def test_fp8_checkpoint_equals_direct_quantization(hf_dir, tmp_path):
 
 def test_fp8_checkpoint_converted_at_load(hf_dir, tmp_path):
     write_fp8(hf_dir, tmp_path / "fp8")
-    _, decode = load_quantized_checkpoint(tmp_path / "fp8", dtype="bfloat16", policy="kimi-int4")
+    _, decode = load_checkpoint(tmp_path / "fp8", dtype="bfloat16", policy="kimi-int4")
     assert isinstance(decode.layers[1].mlp.w_down, Int4Weight) and decode.layers[1].mlp.w_down.group_size == 32
     assert decode.layers[1].attn.wo.dtype == jnp.bfloat16  # fp8 -> plain bf16 for the decode copy
-    _, fp8 = load_quantized_checkpoint(tmp_path / "fp8", dtype="bfloat16")
+    _, fp8 = load_checkpoint(tmp_path / "fp8", dtype="bfloat16")
     want = np.asarray(fp8.layers[1].attn.wo.dequantize(jnp.float32).astype(jnp.bfloat16)).view(np.uint16)
     assert np.array_equal(np.asarray(decode.layers[1].attn.wo).view(np.uint16), want)
 
@@ -177,11 +177,11 @@ def test_fp8_checkpoint_converted_at_load(hf_dir, tmp_path):
 # ---- compressed-tensors INT4 (Kimi K2-Thinking / K2.5 / K2.6) ---------------------------------------------
 def test_ct_int4_checkpoint_equals_direct_quantization(hf_dir, tmp_path):
     write_ct_int4(hf_dir, tmp_path / "int4")
-    cfg, shipped = load_quantized_checkpoint(tmp_path / "int4", dtype="bfloat16")
+    cfg, shipped = load_checkpoint(tmp_path / "int4", dtype="bfloat16")
     w = shipped.layers[1].mlp.w_gate
     assert isinstance(w, Int4Weight) and w.group_size == 32 and w.scale.dtype == jnp.bfloat16
     assert shipped.layers[1].mlp.router.dtype == jnp.float32  # as the plain loader keeps routers
-    _, loaded = load_quantized_checkpoint(tmp_path / "int4", dtype="bfloat16", policy="kimi-int4")
+    _, loaded = load_checkpoint(tmp_path / "int4", dtype="bfloat16", policy="kimi-int4")
     assert loaded.layers[1].mlp.w_gate is not None and loaded.layers[1].mlp.w_gate.packed is not None
     _, base = ps.load_checkpoint(hf_dir, "float32")
     _assert_same_tree(loaded, quantize_params(base, "kimi-int4"))
@@ -205,8 +205,8 @@ def test_kimi_k25_multimodal_wrapper(hf_dir, tmp_path):
     tensors["vision_tower.patch_embed.proj.weight"] = torch.rand(8, 3, 2, 2) + 0.5
     tensors["mm_projector.proj.0.weight"] = torch.rand(8, 8) + 0.5
     save_file(tensors, str(d / "model.safetensors"))
-    cfg, wrapped = load_quantized_checkpoint(d, dtype="bfloat16")
-    _, plain = load_quantized_checkpoint(tmp_path / "int4", dtype="bfloat16")
+    cfg, wrapped = load_checkpoint(d, dtype="bfloat16")
+    _, plain = load_checkpoint(tmp_path / "int4", dtype="bfloat16")
     assert cfg.num_experts == 8 and isinstance(wrapped.layers[1].mlp.w_up, Int4Weight)
     _assert_same_tree(wrapped, plain)
 
@@ -215,7 +215,7 @@ def test_ct_int4_with_compressed_tensors_scale_rule(hf_dir, tmp_path):
     """Scales chosen by compressed-tensors' own observer (amax / 7.5): the loaded weight dequantizes to
     exactly the file's ``q * scale``, whatever rule produced it."""
     write_ct_int4(hf_dir, tmp_path / "ct", group=128, rule="ct")
-    _, loaded = load_quantized_checkpoint(tmp_path / "ct", dtype="float32")
+    _, loaded = load_checkpoint(tmp_path / "ct", dtype="float32")
     ref = load_file(str(tmp_path / "ct" / "model.safetensors"))
     name = "model.layers.1.mlp.experts.5.down_proj"
     q = torch.stack([(ref[name + ".weight_packed"] >> (4 * i)) & 0xF for i in range(8)], -1).reshape(128, -1) - 8
@@ -241,18 +241,18 @@ def test_format_errors_are_typed(hf_dir, tmp_path):
 
     bad_scale = {**t, name + "_scale_inv": torch.rand(3, 3) + 0.5}
     with pytest.raises(ShapeMismatchError, match="weight_scale_inv"):
-        load_quantized_checkpoint(variant("scale", bad_scale))
+        load_checkpoint(variant("scale", bad_scale))
     extra = {**t, "model.layers.0.self_attn.q_b_proj.bias": torch.rand(3) + 0.5}
     with pytest.raises(UnexpectedTensorError):
-        load_quantized_checkpoint(variant("extra", extra))
+        load_checkpoint(variant("extra", extra))
     write_ct_int4(hf_dir, tmp_path / "int4")
     t4 = load_file(str(tmp_path / "int4" / "model.safetensors"))
     ct = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
     gone = {k: v for k, v in t4.items() if not k.endswith("experts.2.up_proj.weight_scale")}
     with pytest.raises(MissingTensorError, match="experts.2.up_proj.weight_scale"):
-        load_quantized_checkpoint(variant("missing", gone, ct))
+        load_checkpoint(variant("missing", gone, ct))
     asym = json.loads(json.dumps(ct))
     asym["config_groups"]["group_0"]["weights"]["symmetric"] = False
     with pytest.raises(UnsupportedFormatError, match="asymmetric"):
-        load_quantized_checkpoint(variant("asym", t4, asym))
+        load_checkpoint(variant("asym", t4, asym))
     assert resolve_policy("kimi-int4").rep("routed_experts").group_size == 32
