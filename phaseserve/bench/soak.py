@@ -41,6 +41,7 @@ from phaseserve.config import CacheConfig, ServeConfig
 from phaseserve.config_hydra import REPO_ROOT, serve_config_from_hydra
 from phaseserve.engine import Engine, Request, RequestError
 
+PLOT = "replay_equality.png"
 # every kind of malformed field the validation layer must refuse with a typed error
 BAD_FIELDS: list[dict[str, Any]] = [
     {"seed": -1}, {"seed": 2**32}, {"seed": None}, {"seed": "7"}, {"top_k": 2**31}, {"top_k": -1},
@@ -190,7 +191,20 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict:
                "environment": environment(), "model": model_cfg.architecture, "weights": base.quant.decode_weights,
                "arms": arms}
     rp.write_outputs(Path(out_dir), cfg, results, render(results))
+    plot(results, Path(out_dir))
     return results
+
+
+def plot(results: dict, out_dir: Path) -> Path:
+    """``replay_equality.png``: per arm, the share of completed requests equal to the replay, preempted or not."""
+    arms = list(results["arms"])
+    rs = [results["arms"][a]["replay"] for a in arms]
+    bars = {"preempted": ([100 * r["preempted_equal"] / max(r["preempted"], 1) for r in rs], None, None),
+            "not preempted": ([100 * r["unpreempted_equal"] / max(r["completed"] - r["preempted"], 1) for r in rs],
+                              None, None)}
+    return rp.bar_plot(out_dir / PLOT, [a.replace("/", "\n") for a in arms], bars,
+                       ylabel="% of completed requests equal to the replay",
+                       title="Soak: outputs vs a large-budget replay, by KV dtype / preemption mode")
 
 
 def _properties(p: dict | None) -> str:
@@ -250,6 +264,8 @@ def render(results: dict) -> str:
 - the replay: the same valid requests on {s['replay_pages']} pages (nothing is preempted)
 
 {table}
+
+![{PLOT}]({PLOT})
 
 Cost of preemption per mode (recompute pays in prefill tokens, swap in host copies; times include compilation of
 new shapes on a shared CPU):

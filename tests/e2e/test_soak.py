@@ -28,3 +28,4 @@ def test_soak_smoke(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["arms"]["float32/swap"]["requests"] == 14
     assert "| float32/swap | 14 |" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / soak.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
