@@ -49,7 +49,7 @@ def run(cfg: DictConfig) -> None:
     path = cfg.checkpoint or default_model_path()
     model_cfg, params = ps.load_checkpoint(path, dtype=cfg.dtype)
     engine = ps.Engine(model_cfg, params, serve_config(cfg))
-    print(describe_engine(engine, path))
+    print(describe_engine(engine, os.path.relpath(path)))
     demo(engine, cfg, show=lambda *_: None)  # once unprinted: compiles every shape, so the measured run has none
     engine.reset_metrics()
     demo(engine, cfg)
