@@ -154,3 +154,37 @@ def test_a_forged_length_or_shape_is_refused_before_any_page_is_allocated(decode
     time.sleep(0.06)
     server.poll_transfers()  # no grant ever comes: a typed timeout, pages back
     assert server.allocator.num_used == 0 and np.all(server.allocator.refcount == 0)
+
+
+class _ErroredBuffer:
+    """Stands in for a pulled array whose transfer failed: it reports ready, and waiting on it raises."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    def block_until_ready(self):
+        raise RuntimeError("transfer aborted: peer closed the connection")
+
+
+def test_an_errored_pull_ends_its_request_alone_and_the_server_lives(decode_server):
+    """Defect 5: an errored pull reported ready, landing it raised and the decode process died."""
+    from phaseserve.serving.protocol import TransferError
+
+    server, out, _ = decode_server
+    while not out.empty():
+        out.get_nowait()
+    req, desc = _genuine(server, "e", 5)
+    server.spec = dataclasses.replace(server.spec, transfer_timeout_s=60.0)
+    try:
+        server.handle(("kv_ready", req, 3, desc))
+        server.admit()
+        server.pulls["e"][1].state, server.pulls["e"][1].arrays = "pulling", [_ErroredBuffer()]
+        server.poll_transfers()
+    finally:
+        server.spec = dataclasses.replace(server.spec, transfer_timeout_s=0.05)
+    msgs = [out.get_nowait() for _ in range(out.qsize())]
+    fin = [m for m in msgs if m[0] == "finished"]
+    assert [(m[1], m[2]) for m in fin] == [("e", "aborted")] and isinstance(rebuild_error(fin[0][3]), TransferError)
+    assert ("release", desc.uuid) in msgs  # the prefill side may free its staging
+    assert server.allocator.num_used == 0 and not server.pulls and server.stats["transfer_errors"] >= 1
+    server.tables.check_invariants()
