@@ -74,7 +74,7 @@ class Scheme:
 
 def _describe(w: dict) -> str:
     kind = f"{w.get('type', 'int')}{w.get('num_bits')}"
-    extra = f" group {w['group_size']}" if w.get("strategy") == "group" else ""
+    extra = f" {w['group_size']}" if w.get("strategy") == "group" else ""
     sym = "" if w.get("symmetric", True) else " asymmetric"
     return f"{kind} {w.get('strategy')}{extra}{sym}"
 
