@@ -234,10 +234,11 @@ def summarize(res: dict, out_dir: Path | None = None) -> dict:
                                    f"{t['detected']} / {t['injected']}, {t['false_positives']}",
                                    "every fault, no false positive", vd.REPRODUCED if ok else vd.NOT_REPRODUCED))
     if "on" in deltas:
-        c = concs[-1]
+        reps = deltas["on"]["throughput"][concs[-1]].get("n", 0)
         for key, label in (("throughput", "throughput"), ("e2e_p95", "p95 latency")):
-            verdicts.append(vd.Verdict(f"check on/off {label} at concurrency {c}", vd.ratio_text(deltas["on"][key][c]),
-                                       f"within {100 * limit:g}%", outcomes["on"][key][c]))
+            verdicts.append(vd.Verdict(f"check on/off {label}, {reps} paired repeats",
+                                       vd.points_text({c: deltas["on"][key][c] for c in concs}),
+                                       f"within {100 * limit:g}%", vd.across(outcomes["on"][key])))
     return {"aggregate": agg, "deltas": deltas, "outcomes": outcomes, "verdicts": [v.to_dict() for v in verdicts],
             "load": stats([r.get("load_1m") for r in records]),
             "reruns": sum(r.get("reruns", 0) for r in records)}

@@ -90,6 +90,31 @@ def bound(st: dict, limit: float) -> str:
     return UNRESOLVED + f" (the {kind} is wider than the {100 * limit:g}% bound)"
 
 
+def across(outcomes: dict, label: str = "c=") -> str:
+    """One outcome for a claim judged at several points: not reproduced where any point says so, reproduced only
+    where every point does, otherwise unresolved; the points of each kind are named."""
+    kinds = {k: [p for p, o in outcomes.items() if o.startswith(k)] for k in (NOT_REPRODUCED, REPRODUCED, UNRESOLVED)}
+    names = {k: ", ".join(f"{label}{p}" for p in ps) for k, ps in kinds.items()}
+    if kinds[NOT_REPRODUCED]:
+        rest = [f"{k} at {names[k]}" for k in (REPRODUCED, UNRESOLVED) if kinds[k]]
+        return f"{NOT_REPRODUCED} at {names[NOT_REPRODUCED]}" + (f" ({'; '.join(rest)})" if rest else "")
+    if len(kinds[REPRODUCED]) == len(outcomes):
+        return REPRODUCED + f" at every point ({names[REPRODUCED]})"
+    return UNRESOLVED + f" at {names[UNRESOLVED]}" + (f" ({REPRODUCED} at {names[REPRODUCED]})"
+                                                      if kinds[REPRODUCED] else "")
+
+
+def points_text(by_point: dict, label: str = "c=") -> str:
+    """``c=1: +1.0% [CI lo..hi]; c=8: ...`` for paired-ratio stats by point (the range below 3 repeats)."""
+    out = []
+    for p, st in by_point.items():
+        lo, hi, kind = interval(st)
+        if lo is None:
+            lo, hi, kind = st.get("min"), st.get("max"), "range"
+        out.append(f"{label}{p}: {pct(st.get('median'))} [{kind} {pct(lo)}..{pct(hi)}]")
+    return "; ".join(out)
+
+
 def at_least(measured: float, threshold: float) -> str:
     return REPRODUCED if measured >= threshold else NOT_REPRODUCED
 

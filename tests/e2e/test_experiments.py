@@ -115,7 +115,8 @@ def test_integrity_overhead_and_fault_matrix(tmp_path):
     assert all(t["caught_at_injection_step"] for t in m["trials"] if t["tracker"] == "on")
     assert "Fault-injection matrix" in md and "| poison_scale | on | 1 | 1 | 0 | 0 |" in md
     assert verdicts[0]["measured"] == "3 / 3, 0" and verdicts[0]["outcome"] == "reproduced"
-    assert verdicts[1]["claim"] == "check on/off throughput at concurrency 2"
+    assert verdicts[1]["claim"] == "check on/off throughput, 2 paired repeats"
+    assert verdicts[1]["outcome"] == "unresolved at c=2"  # two repeats judge nothing
 
 
 def test_reproduce_runs_the_experiments_into_one_report(tmp_path):

@@ -333,6 +333,11 @@ def test_verdicts_are_computed_from_the_interval():
     assert verdict.bound(mixed, 0.01).startswith("unresolved")
     assert verdict.ratio_text(faster).startswith("+11.0% (95% CI +")
     v = verdict.Verdict("claim", "measured", "published", "reproduced")
+    assert verdict.across({1: "reproduced in direction", 8: "not reproduced (x)", 32: "unresolved (y)"}) \
+        == "not reproduced at c=8 (reproduced at c=1; unresolved at c=32)"
+    assert verdict.across({1: "reproduced (a)", 8: "reproduced (b)"}) == "reproduced at every point (c=1, c=8)"
+    assert verdict.across({1: "reproduced (a)", 8: "unresolved (b)"}) == "unresolved at c=8 (reproduced at c=1)"
+    assert verdict.points_text({2: faster}).startswith("c=2: +11.0% [95% CI +")
     line = "claim: measured (published published) -> reproduced"
     assert verdict.final_lines([v, v.to_dict()], "out/x") == [line, line, "run directory: out/x"]
 
