@@ -9,7 +9,9 @@ Every experiment module (``kv_dtype``, ``weight_dtype``, ``integrity``, ``reprod
 
 :func:`publish` writes ``results.json`` (raw + ``summary``), ``README.md``, ``config.yaml`` and the plots, and
 logs the verdict lines and the run directory last. :func:`render` does the same from a committed
-``results.json`` without measuring anything: a change of wording, of a verdict rule or of a plot reruns nothing.
+``results.json`` without measuring anything: a change of wording, of a verdict rule or of a plot reruns nothing
+(``python -m phaseserve.bench.publish benchmarks/kv_dtype benchmarks/weight_dtype benchmarks/integrity
+ benchmarks/reproduce``).
 """
 
 from __future__ import annotations
@@ -47,3 +49,19 @@ def render(out_dir: str | Path, module: ModuleType, log=print) -> dict[str, Any]
     """Rewrite ``README.md``, the plots and the summary from ``out_dir/results.json`` (nothing is measured)."""
     out_dir = Path(out_dir)
     return publish(out_dir, json.loads((out_dir / "results.json").read_text()), module, None, log)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m phaseserve.bench.publish DIR [DIR ...]``: re-render each experiment directory from its JSON."""
+    import argparse
+    import importlib
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("dirs", nargs="+", help="directories holding an experiment's results.json")
+    for d in ap.parse_args(argv).dirs:
+        name = json.loads((Path(d) / "results.json").read_text())["experiment"]
+        render(d, importlib.import_module(f"phaseserve.bench.{name}"))
+
+
+if __name__ == "__main__":
+    main()
