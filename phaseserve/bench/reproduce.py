@@ -166,7 +166,8 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
                   ["experiment", "report", "runtime (s)", "lowerings (persistent-cache hits / misses)", "overrides"],
                   [[name, f"[{r['dir']}/README.md]({r['dir']}/README.md)", rp.fmt(r["seconds"]),
                     f"{r['compilation']['lowerings']} ({r['compilation']['cache_hits']} / "
-                    f"{r['compilation']['cache_misses']})", " ".join(r["overrides"]) or "–"]
+                    f"{r['compilation']['cache_misses']})" if r.get("compilation") else "–",
+                    " ".join(r["overrides"]) or "–"]
                    for name, r in res["runs"].items()]), "",
               rp.environment_section(res["environment"]), ""]
     return "\n".join(lines)
