@@ -137,8 +137,11 @@ def test_replayed_and_forged_descriptors_are_refused_alone(model, router):
     router.tamper[TAMPERED.id] = lambda d: d.replace(tags=(d.tags[0] + 1,) + d.tags[1:])
     normal = [router.submit(r) for r in NORMAL]
     forged = router.submit(TAMPERED)
-    replayed = router.inject(_req("replay", 5, 2, 700), 0, replay)
+    replayed = router.inject(_req("s0", 5, 2, 700), 0, replay)  # the same request again: only the prefill side knows
+    misnamed = router.inject(_req("replay", 5, 2, 700), 0, replay)  # another request's descriptor: the decode side
     router.run(timeout_s=120)
+    assert isinstance(misnamed.error, StaleDescriptorError) and misnamed.error.kind == "mismatch"
+    assert misnamed.finish_reason == "error"
     assert isinstance(replayed.error, StaleDescriptorError) and replayed.error.kind == "unknown"
     assert isinstance(forged.error, StaleDescriptorError) and forged.error.kind == "stale_tag"
     assert replayed.finish_reason == forged.finish_reason == "aborted"
