@@ -148,3 +148,16 @@ def test_mesh_config_refuses_sizes_and_indices_that_cannot_be():
                 dict(decode_devices=())):
         with pytest.raises(ps.ConfigError, match="MeshConfig"):
             ps.MeshConfig(**bad)
+
+
+def test_main_job_ends_with_what_it_measured(tmp_path):
+    out = subprocess.run([sys.executable, "experiments/serve.py", "max_tokens=12", "mode=colocated",
+                          f"hydra.run.dir={tmp_path}"],
+                         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "mode colocated: one mesh" in lines[0] and "prefill_weights=fp8 unused" in lines[0]
+    assert lines[-6].startswith("=== measured")
+    assert [ln.split(":")[0] for ln in lines[-5:]] == ["throughput", "TTFT", "TPOT", "KV cache", "integrity"]
+    assert "336 bytes per token" in lines[-2] and " 0 aborted" in lines[-1]
+    assert "Unable to initialize backend" not in out.stdout + out.stderr
