@@ -57,7 +57,7 @@ def load_models(cfg: DictConfig, workdir: Path) -> tuple[Any, Any, Any]:
     import torch
     import transformers as T
 
-    from phaseserve.model.loader import load_checkpoint
+    from phaseserve.quant.loader import load_checkpoint
 
     T.utils.logging.disable_progress_bar()
     m = cfg.model

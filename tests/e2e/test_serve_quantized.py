@@ -29,22 +29,15 @@ import phaseserve as ps
 from phaseserve.qarrays import Fp8Weight, Int4Weight
 from tests.e2e.engine_utils import hf_greedy, random_requests, serve_config
 from tests.parity.hf_models import build
+from tests.unit.quant_writers import expand_blocks, fp8_blocks, int4_groups, pack_int32
 
 ROOT = Path(__file__).resolve().parents[2]
 _NOT_LINEAR = ("embed_tokens", "lm_head", "mlp.gate.weight", "norm")
 
 
-def pack_int32(q: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors ``pack_to_int32`` (packed_dim=1): q in [-8, 7] as q + 8, column 8j+i at bits 4i."""
-    u = (q.to(torch.int32) + 8).reshape(q.shape[0], -1, 8)
-    return (u << (torch.arange(8, dtype=torch.int32) * 4)).sum(dim=2, dtype=torch.int32)
-
-
 def int4_layout(name: str, w: torch.Tensor, out: dict, group: int = 16) -> torch.Tensor:
     """Symmetric INT4 groups along ``in`` (scale amax / 7, bf16): writes the three tensors, returns q * scale."""
-    g = w.reshape(w.shape[0], -1, group)
-    scale = torch.where(g.abs().amax(-1) > 0, g.abs().amax(-1) / 7, 1.0).to(torch.bfloat16)
-    q = torch.clamp(torch.round(g / scale.float()[..., None]), -8, 7).to(torch.int8).reshape(w.shape)
+    q, scale = int4_groups(w, group)
     base = name[: -len(".weight")]
     out[base + ".weight_packed"], out[base + ".weight_scale"] = pack_int32(q), scale
     out[base + ".weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int32)
@@ -53,15 +46,9 @@ def int4_layout(name: str, w: torch.Tensor, out: dict, group: int = 16) -> torch
 
 def fp8_layout(name: str, w: torch.Tensor, out: dict, block: int = 16) -> torch.Tensor:
     """DeepSeek block FP8 (amax / 448 per block, partial edge blocks): writes weight + scale_inv, returns q * s."""
-    o, i = w.shape
-    po, pi = -(-o // block) * block, -(-i // block) * block
-    padded = torch.nn.functional.pad(w, (0, pi - i, 0, po - o)).reshape(po // block, block, pi // block, block)
-    amax = padded.abs().amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / 448.0, 1.0)
-    full = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:o, :i]
-    q = (w / full).to(torch.float8_e4m3fn)
+    q, s = fp8_blocks(w, block)
     out[name], out[name + "_scale_inv"] = q, s
-    return q.float() * full
+    return q.float() * expand_blocks(s, block, *w.shape)
 
 
 LAYOUTS = {

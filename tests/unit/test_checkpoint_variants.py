@@ -18,11 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers as T
 from safetensors.torch import load_file, save_file
 
 import phaseserve as ps
-from phaseserve import presets
 from phaseserve.model import loader as plain_loader
 from phaseserve.model.loader import (
     MissingTensorError,
@@ -32,6 +30,7 @@ from phaseserve.model.loader import (
 )
 from phaseserve.qarrays import Fp8Weight, Int4Weight, dequantize
 from phaseserve.quant.formats import UnsupportedFormatError
+from tests.unit.quant_writers import pack_int32, tiny_deepseek
 
 WO = "model.layers.0.self_attn.o_proj.weight"  # [128, 128]
 KV = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # [144, 128]: a partial 128x128 block
@@ -49,16 +48,8 @@ INT4_G32 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
-    hf = {k: v for k, v in presets.TINY["mla-moe"].items() if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(T.DeepseekV3Config(**hf)).float().eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
     d = tmp_path_factory.mktemp("hf") / "base"
-    model.save_pretrained(d)
+    tiny_deepseek().save_pretrained(d)
     return d, load_file(str(d / "model.safetensors"))
 
 
@@ -89,12 +80,6 @@ def rng(seed: int) -> torch.Generator:
 
 def fp8_weight(shape, seed: int) -> torch.Tensor:
     return (torch.randn(shape, generator=rng(seed)) * 60).to(torch.float8_e4m3fn)
-
-
-def pack_int32(q: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors ``pack_to_int32`` (packed_dim=1): q in [-8, 7] as q + 8, column 8j+i at bits 4i."""
-    u = (q.to(torch.int32) + 8).reshape(q.shape[0], -1, 8)
-    return (u << (torch.arange(8, dtype=torch.int32) * 4)).sum(dim=2, dtype=torch.int32)
 
 
 def loaded(params, name: str) -> np.ndarray:

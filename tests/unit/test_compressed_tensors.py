@@ -9,13 +9,10 @@ running the decompressed model.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers as T
 from compressed_tensors.compressors import ModelCompressor  # in the test extra (pulls only loguru beyond it)
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -26,8 +23,8 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
 import phaseserve as ps
-from phaseserve import presets
 from phaseserve.qarrays import Fp8Weight, Int4Weight, dequantize
+from tests.unit.quant_writers import tiny_deepseek
 
 SCHEMES = {
     "pack-quantized": QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
@@ -38,14 +35,7 @@ SCHEMES = {
 def compressed_checkpoint(fmt: str, directory) -> torch.nn.Module:
     """Save a compressed-tensors checkpoint of a tiny model in ``directory``; returns the model decompressed by
     the library (its weights are what the checkpoint means)."""
-    hf = {k: v for k, v in presets.TINY["mla-moe"].items() if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(T.DeepseekV3Config(**hf)).float().eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    model = tiny_deepseek(seed=1)
     args = SCHEMES[fmt]
     apply_quantization_config(model, QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))

@@ -8,20 +8,17 @@ so a layout or packing-order mistake in ``phaseserve.quant.formats`` cannot canc
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers as T
 from safetensors.torch import load_file, save_file
 
 import phaseserve as ps
 from pallas_kernels.fp8_matmul import Fp8Weight
 from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4
-from phaseserve import presets
 from phaseserve.model.loader import MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from phaseserve.quant import quantize_params, resolve_policy
 from phaseserve.quant.formats import (
@@ -32,38 +29,9 @@ from phaseserve.quant.formats import (
 )
 from phaseserve.quant.loader import load_checkpoint
 from phaseserve.quant.quantize import named_leaves
+from tests.unit.quant_writers import fp8_blocks, int4_groups, pack_int32, tiny_deepseek
 
 _LINEAR_SKIP = ("embed_tokens", "lm_head", "mlp.gate.weight", "norm")
-
-
-# ---- independent writers (torch) ----------------------------------------------------------------------
-def ct_pack_to_int32(q: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors ``pack_to_int32(value, num_bits=4, packed_dim=1)``: q int8[R, C] -> int32[R, C/8]."""
-    u = (q.to(torch.int32) + 8).reshape(q.shape[0], -1, 8)
-    shifts = torch.arange(8, dtype=torch.int32) * 4
-    return (u << shifts).sum(dim=2, dtype=torch.int32)  # as compressed-tensors: int32 wraps, bits are exact
-
-
-def ct_quantize(w: torch.Tensor, group: int, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int4 per group along ``in``: w f32[out, in] -> (q int8[out, in], scale bf16[out, in/G]).
-    ``rule="phaseserve"``: scale = amax / 7; ``rule="ct"``: compressed-tensors' observer, amax / 7.5."""
-    out_f, in_f = w.shape
-    g = w.reshape(out_f, in_f // group, group)
-    amax = g.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / (7.0 if rule == "phaseserve" else 7.5), 1.0).to(torch.bfloat16)
-    q = torch.clamp(torch.round(g / scale.float()[..., None]), -8, 7).to(torch.int8)
-    return q.reshape(out_f, in_f), scale
-
-
-def fp8_block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 block FP8: w f32[out, in] -> (f8e4m3[out, in], weight_scale_inv f32[ceil(out/b), ceil(in/b)])."""
-    out_f, in_f = w.shape
-    po, pi = math.ceil(out_f / block) * block, math.ceil(in_f / block) * block
-    padded = torch.nn.functional.pad(w, (0, pi - in_f, 0, po - out_f))
-    amax = padded.reshape(po // block, block, pi // block, block).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / 448.0, 1.0)
-    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
-    return (w / full).to(torch.float8_e4m3fn), scale
 
 
 def _rewrite(src: Path, dst: Path, tensors: dict, quantization_config: dict) -> None:
@@ -78,7 +46,7 @@ def write_fp8(src: Path, dst: Path) -> None:
     tensors = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if t.ndim == 2 and name.endswith(".weight") and not any(s in name for s in _LINEAR_SKIP):
-            tensors[name], tensors[name + "_scale_inv"] = fp8_block_quantize(t.float())
+            tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(t.float())
         else:
             tensors[name] = t.to(torch.bfloat16) if t.is_floating_point() and "correction" not in name else t
     _rewrite(src, dst, tensors, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -90,9 +58,9 @@ def write_ct_int4(src: Path, dst: Path, group: int = 32, rule: str = "phaseserve
     tensors = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if ".mlp.experts." in name:
-            q, scale = ct_quantize(t.float(), group, rule)
+            q, scale = int4_groups(t.float(), group, rule)
             base = name[: -len(".weight")]
-            tensors[base + ".weight_packed"] = ct_pack_to_int32(q)
+            tensors[base + ".weight_packed"] = pack_int32(q)
             tensors[base + ".weight_scale"] = scale
             tensors[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int32)
         else:
@@ -106,16 +74,8 @@ def write_ct_int4(src: Path, dst: Path, group: int = 32, rule: str = "phaseserve
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny random DeepSeek-V3 (MLA + MoE) saved by transformers; dims give several and partial FP8 blocks."""
-    hf = {k: v for k, v in presets.TINY["mla-moe"].items() if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(T.DeepseekV3Config(**hf)).float().eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
     d = tmp_path_factory.mktemp("hf") / "base"
-    model.save_pretrained(d)
+    tiny_deepseek().save_pretrained(d)
     return d
 
 
@@ -141,14 +101,14 @@ def _assert_same_tree(got, want) -> None:
 # ---- packing ------------------------------------------------------------------------------------------
 def test_int32_packing_order_matches_compressed_tensors():
     q = torch.randint(-8, 8, (5, 64), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
-    packed = ct_pack_to_int32(q).numpy()
+    packed = pack_int32(q).numpy()
     nib = unpack_int32_nibbles(packed, 64)
     assert np.array_equal(nib.astype(np.int16) - 8, q.numpy())
     assert np.array_equal(pack_int32_nibbles(nib), packed)
     # column 8j + i sits in word j, bits 4i..4i+3: an explicit word
     row = np.array([[1, 2, 3, 4, 5, 6, 7, 8]], np.uint8)
     assert pack_int32_nibbles(row).view(np.uint32)[0, 0] == 0x87654321
-    assert ct_pack_to_int32(torch.tensor([[-7, -6, -5, -4, -3, -2, -1, 0]], dtype=torch.int8)).numpy().view(
+    assert pack_int32(torch.tensor([[-7, -6, -5, -4, -3, -2, -1, 0]], dtype=torch.int8)).numpy().view(
         np.uint32)[0, 0] == 0x87654321
 
 
