@@ -213,7 +213,3 @@ def fp8_from_hf(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -
     return Fp8Weight(jnp.asarray(np.ascontiguousarray(weight.T)), jnp.asarray(np.ascontiguousarray(grid.T)),
                      (bi, bo))
 
-
-def fp8_to_hf(w: Fp8Weight) -> tuple[np.ndarray, np.ndarray]:
-    """:class:`Fp8Weight` -> (``weight`` f8[out, in], ``weight_scale_inv`` f32) in HF layout."""
-    return np.ascontiguousarray(np.asarray(w.q).T), np.ascontiguousarray(np.asarray(w.scale).T)

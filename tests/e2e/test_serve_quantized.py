@@ -20,13 +20,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 import phaseserve as ps
+from phaseserve.config_hydra import load_model
 from phaseserve.qarrays import Fp8Weight, Int4Weight
+from phaseserve.serving.protocol import ModelSpec
 from tests.e2e.engine_utils import hf_greedy, random_requests, serve_config
 from tests.parity.hf_models import build
 from tests.unit.quant_writers import expand_blocks, fp8_blocks, int4_groups, pack_int32
@@ -99,6 +103,20 @@ def test_load_checkpoint_serves_the_stored_weights(checkpoints, layout):
     for r, o in zip(reqs, outs, strict=True):
         assert o.finish_reason == "length", (r.id, o.error)
         assert o.tokens == hf_greedy(hf, r), r.id
+
+
+def test_every_entry_point_uses_the_one_loader(checkpoints):
+    """Hydra configs (``model.checkpoint``, what ``Engine.from_hydra`` and the bench experiments load) and the
+    serving processes' :class:`ModelSpec` return the checkpoint's own INT4 words, as ``ps.load_checkpoint`` does."""
+    d = checkpoints["int4"][0]
+    _, direct = ps.load_checkpoint(d)
+    _, hydra = load_model(OmegaConf.create({"model": {"name": "int4", "checkpoint": str(d), "preset": None,
+                                                      "hf": None, "overrides": {}, "dtype": "float32"}}))
+    _, served = ModelSpec(checkpoint=str(d)).load()
+    for params in (hydra, served):
+        w = params.layers[2].mlp.w_gate
+        assert isinstance(w, Int4Weight) and np.array_equal(np.asarray(w.packed),
+                                                            np.asarray(direct.layers[2].mlp.w_gate.packed))
 
 
 def test_serve_py_serves_int4_and_fp8_checkpoints(checkpoints, tmp_path):
