@@ -6,7 +6,17 @@ the Pallas path refuses a shape), ``"pallas"`` (the kernel, or :class:`Unsupport
 ``"reference"``. ``interpret=None`` means interpret mode exactly when running on the CPU. ``target``
 picks which kernel body to build: ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Pallas Mosaic TPU); ``None``
 follows the default backend, and on the CPU (interpret mode) it is ``"gpu"``. The lowering check passes
-``target`` explicitly because it exports for TPU and CUDA from a CPU process.
+``target`` explicitly, but :func:`dispatch_kernel` with ``target=None`` (and ``interpret`` not forced on) builds
+the body per *lowering* platform with ``jax.lax.platform_dependent`` (``cuda``/``rocm`` -> Triton, ``tpu`` ->
+Mosaic, anything else -> interpret mode or the reference), so ``jax.export`` for any platform from any process
+gets the right body.
+
+Provenance: every kernel call records, at trace time, which implementation it built (``pallas``,
+``reference``, or ``fallback`` with the reason the Pallas path refused the shape) in :data:`PROVENANCE`
+(:func:`provenance` returns the counts; the engine can show them). Fallbacks are also logged as warnings.
+
+Dots: float32 operands use ``precision=HIGHEST`` (IEEE f32 on GPUs instead of TF32; full-precision passes on
+TPU), so the float32 exact-parity mode stays exact on accelerators.
 
 The online-softmax helpers are written with ops that both the Triton and the Mosaic TPU lowerings
 accept (2-D values, keepdims reductions, ``jnp.where`` masks, ``lax.dot_general`` with f32 accumulation).
@@ -14,12 +24,20 @@ accept (2-D values, keepdims reductions, ``jnp.where`` masks, ``lax.dot_general`
 
 from __future__ import annotations
 
+import collections
+import logging
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 NEG_INF = float("-inf")
 TARGETS = ("gpu", "tpu")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+LOG = logging.getLogger("pallas_kernels")
+# (op, platform, impl, reason) -> number of traces that built it; platform is "cuda"/"tpu"/"default" under
+# platform-dependent dispatch, else the explicit target or "any"; reason is "" except for fallbacks
+PROVENANCE: collections.Counter = collections.Counter()
 
 
 class UnsupportedShapeError(ValueError):
@@ -54,17 +72,69 @@ def resolve_target(target: str | None) -> str:
     return target
 
 
-def dispatch(impl: str, run_pallas, run_reference):
-    """Run ``run_pallas()`` or ``run_reference()`` per ``impl``; ``"auto"`` falls back on a refused shape."""
+def record(op: str, platform: str, impl: str, reason: str = "") -> None:
+    """Count one trace of ``op`` built as ``impl`` ("pallas" | "reference" | "fallback") for ``platform``."""
+    PROVENANCE[(op, platform, impl, reason)] += 1
+    if impl == "fallback":
+        LOG.warning("%s (%s): Pallas path refused, using the reference: %s", op, platform, reason)
+
+
+def provenance() -> list[dict]:
+    """The recorded builds as rows {op, platform, impl, reason, count} (sorted), for summaries and JSON."""
+    return [dict(op=o, platform=p, impl=i, reason=r, count=n) for (o, p, i, r), n in sorted(PROVENANCE.items())]
+
+
+def dispatch(impl: str, run_pallas, run_reference, *, op: str = "kernel", platform: str = "any"):
+    """Run ``run_pallas()`` or ``run_reference()`` per ``impl``; ``"auto"`` falls back on a refused shape
+    (recorded in :data:`PROVENANCE` and logged)."""
     chosen = resolve_impl(impl)
     if chosen == "reference":
+        record(op, platform, "reference")
         return run_reference()
-    if impl == "auto":
-        try:
-            return run_pallas()
-        except UnsupportedShapeError:
-            return run_reference()
-    return run_pallas()
+    try:
+        out = run_pallas()
+    except UnsupportedShapeError as e:
+        if impl != "auto":
+            raise
+        record(op, platform, "fallback", str(e))
+        return run_reference()
+    record(op, platform, "pallas")
+    return out
+
+
+def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | None,
+                    build: Callable[[str, bool], jax.Array], run_reference: Callable[[], jax.Array]):
+    """Build ``op`` per implementation and lowering platform; ``build(target, interpret)`` runs the kernel.
+
+    ``target`` given, or ``interpret`` resolving to True: one body (as :func:`dispatch`). Otherwise the body is
+    chosen per lowering platform with ``jax.lax.platform_dependent``: cuda/rocm -> the Triton body, tpu -> the
+    Mosaic body, other platforms -> interpret mode (``impl="pallas"`` with ``interpret=None``) or the reference.
+    ``impl="auto"`` then means the kernel on GPU/TPU and the reference elsewhere, whatever the default backend.
+    """
+    if impl not in ("auto", "pallas", "reference"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
+    if impl == "reference":
+        record(op, "any", "reference")
+        return run_reference()
+    if target is not None or interpret is True:
+        tgt = resolve_target(target)
+        return dispatch(impl, lambda: build(tgt, resolve_interpret(interpret)), run_reference, op=op,
+                        platform=tgt)
+
+    def branch(platform, tgt):
+        def run():
+            return dispatch("auto" if impl == "auto" else "pallas", lambda: build(tgt, False), run_reference, op=op,
+                            platform=platform)
+        return run
+
+    def default():
+        if impl == "pallas" and interpret is None:
+            return dispatch("pallas", lambda: build("gpu", True), run_reference, op=op, platform="default")
+        record(op, "default", "reference")
+        return run_reference()
+
+    gpu = branch("cuda", "gpu")
+    return jax.lax.platform_dependent(cuda=gpu, rocm=gpu, tpu=branch("tpu", "tpu"), default=default)
 
 
 def is_pow2(n: int) -> bool:
@@ -97,14 +167,22 @@ def dequantize_pages(pages: jax.Array, scales: jax.Array | None) -> jax.Array:
     return x if scales is None else x * scales.astype(jnp.float32)[..., None]
 
 
+def dot_precision(a, b):
+    """HIGHEST when an operand is float32 (no TF32 / bf16 passes), else the default (16-bit / FP8 operands)."""
+    f32 = jnp.dtype(jnp.float32)
+    return jax.lax.Precision.HIGHEST if f32 in (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) else None
+
+
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b[N, K]^T -> f32[M, N] (the logits product of decode attention)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=dot_precision(a, b),
+                               preferred_element_type=jnp.float32)
 
 
 def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b [K, N] -> f32[M, N]."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=dot_precision(a, b),
+                               preferred_element_type=jnp.float32)
 
 
 def online_softmax_step(m_prev, l_prev, acc_prev, logits, values, *, p_scale=None, dot_dtype=jnp.float32):

@@ -17,8 +17,14 @@ applied once at the end. Two numerics, chosen by ``act_quant``:
   of each 128-column step is rescaled by the token's activation scale. The reference with
   ``act_quant=True`` simulates exactly this quantization.
 
-``act_quant=None`` (default) means True exactly when the Triton kernel runs on a GPU for 16-bit
-activations, False otherwise (CPU reference, TPU, float32 inputs), so CPU runs keep W8A16 numerics.
+``act_quant=None`` (default) means True exactly when the compiled Triton body is built (GPU, not interpret
+mode) for 16-bit activations with K % 128 == 0, False otherwise (CPU reference, interpret mode, TPU, float32
+inputs), so CPU runs keep W8A16 numerics. W8A8 uses FP8 tensor cores: Hopper (sm_90) and newer; on older
+GPUs pass ``act_quant=False`` (and FP8 weight conversion itself needs sm_89+).
+
+Grouped (MoE) kernel ``fp8_grouped_matmul``: the same tile body on expert-aligned row tiles
+(:mod:`pallas_kernels.moe_tiles`): each program reads one expert's ``[K, bn]`` FP8 tile and its scales and
+dequantizes in registers (GPU) / VMEM (TPU); the expert stack is never expanded to 16 bits in HBM.
 GPU lowering is Pallas Triton (see :mod:`pallas_kernels.paged_attention` for why); TPU is Mosaic with the
 block scales in SMEM; the TPU kernel does not take FP8 activations. Shapes the Pallas path refuses
 (:class:`~pallas_kernels.common.UnsupportedShapeError`; ``impl="auto"`` then uses the reference): scale
@@ -38,18 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import tuning
-from pallas_kernels.common import (
-    UnsupportedShapeError,
-    backend,
-    cdiv,
-    compute_dtype,
-    dispatch,
-    dot_nn,
-    resolve_impl,
-    resolve_interpret,
-    resolve_target,
-)
+from pallas_kernels import moe_tiles, tuning
+from pallas_kernels.common import UnsupportedShapeError, cdiv, compute_dtype, dispatch_kernel, dot_nn
 
 E4M3_MAX = 448.0
 ACT_BLOCK = 128  # columns per dynamic activation scale (1 x 128 per token)
@@ -119,8 +115,27 @@ def fp8_matmul_reference(x: jax.Array, w: Fp8Weight, *, act_quant: bool = False)
         xf = (q.astype(jnp.float32) * jnp.repeat(s, ACT_BLOCK, axis=-1)).reshape(x.shape)
         out = jnp.einsum("...k,kn->...n", xf, dequantize_fp8(w), precision=jax.lax.Precision.HIGHEST)
         return out.astype(x.dtype)
-    return jnp.einsum("...k,kn->...n", x, dequantize_fp8(w, x.dtype), preferred_element_type=jnp.float32
-                      ).astype(x.dtype)
+    return jnp.einsum("...k,kn->...n", x, dequantize_fp8(w, x.dtype), preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def _k_loop(x_ref, xs_ref, w_at, s_at, acc, *, bk, bks, col, per_channel, cdt):
+    """acc f32[bm, bn] += x @ dequant(w) over all of K in steps of bk; ``w_at(slice)`` -> [bk, bn] weight rows,
+    ``s_at(row, col)`` -> the block scale; xs_ref (W8A8) holds the 1x128 activation scales, else None."""
+    steps_per_act = ACT_BLOCK // bk if xs_ref is not None else 1
+
+    def body(kk, acc):
+        k0 = pl.multiple_of(kk * bk, bk)
+        xk, wk = x_ref[:, pl.ds(k0, bk)], w_at(pl.ds(k0, bk))
+        if xs_ref is not None:  # FP8 x FP8 on tensor cores, rescaled by the token's 1x128 activation scale
+            part = dot_nn(xk, wk) * xs_ref[:, pl.ds(jax.lax.div(kk, steps_per_act), 1)]
+        else:
+            part = dot_nn(xk.astype(cdt), wk.astype(cdt))
+        if not per_channel:
+            part = part * s_at(jax.lax.div(kk * bk, bks), col)  # lax.div: non-negative, no sign fix-up
+        return acc + part
+
+    return jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, acc)
 
 
 def _kernel(*refs, bk, bks, bn_per_scale, per_channel, act_quant, cdt):
@@ -129,28 +144,45 @@ def _kernel(*refs, bk, bks, bn_per_scale, per_channel, act_quant, cdt):
     else:
         (x_ref, w_ref, s_ref, o_ref), xs_ref = refs, None
     col = jax.lax.div(pl.program_id(1), bn_per_scale)  # this N tile's scale column (block scales)
-    steps_per_act = ACT_BLOCK // bk if act_quant else 1
-
-    def body(kk, acc):
-        k0 = pl.multiple_of(kk * bk, bk)
-        xk, wk = x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), :]
-        if act_quant:  # FP8 x FP8 on tensor cores, rescaled by the token's 1x128 activation scale
-            part = dot_nn(xk, wk) * xs_ref[:, pl.ds(jax.lax.div(kk, steps_per_act), 1)]
-        else:
-            part = dot_nn(xk.astype(cdt), wk.astype(cdt))
-        if not per_channel:
-            part = part * s_ref[jax.lax.div(kk * bk, bks), col]  # lax.div: non-negative, no sign fix-up
-        return acc + part
-
-    acc = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = _k_loop(x_ref, xs_ref, lambda sl: w_ref[sl, :], lambda r, c: s_ref[r, c], jnp.zeros(o_ref.shape, jnp.float32),
+                  bk=bk, bks=bks, col=col, per_channel=per_channel, cdt=cdt)
     if per_channel:
         acc = acc * s_ref[...].astype(jnp.float32)  # [1, bn]
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
-    m, k = x2.shape
-    n = w.q.shape[-1]
+def _grouped_kernel(te_ref, tv_ref, *refs, tile_axis, bk, bks, bn_per_scale, per_channel, act_quant, cdt):
+    """One expert-aligned tile (rows of one expert, :mod:`pallas_kernels.moe_tiles`), dequantized in the tile.
+
+    GPU (tile_axis 0): w/s refs hold every expert's N tile and are indexed by the tile's expert. TPU (tile_axis
+    1): the pipeline fetched this tile's expert block through the scalar-prefetched expert ids."""
+    if act_quant:
+        x_ref, xs_ref, w_ref, s_ref, o_ref = refs
+    else:
+        (x_ref, w_ref, s_ref, o_ref), xs_ref = refs, None
+    t = pl.program_id(tile_axis)
+    col = jax.lax.div(pl.program_id(1 - tile_axis), bn_per_scale)
+    if tile_axis == 0:
+        e = te_ref[t]
+        w_at, s_at, s_row = (lambda sl: w_ref[e, sl, :]), (lambda r, c: s_ref[e, r, c]), (lambda: s_ref[e, :, :])
+    else:
+        w_at, s_at, s_row = (lambda sl: w_ref[sl, :]), (lambda r, c: s_ref[r, c]), (lambda: s_ref[...])
+
+    @pl.when(tv_ref[t] == 1)
+    def _compute():
+        acc = _k_loop(x_ref, xs_ref, w_at, s_at, jnp.zeros(o_ref.shape, jnp.float32), bk=bk, bks=bks, col=col,
+                      per_channel=per_channel, cdt=cdt)
+        if per_channel:
+            acc = acc * s_row().astype(jnp.float32)  # [1, bn]
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    @pl.when(tv_ref[t] == 0)
+    def _unused():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _plan(m, k, n, w: Fp8Weight, x_dtype, act_quant: bool, target: str):
+    """-> (bm, bn, bk, kernel kwargs) after the shape checks shared by the dense and grouped kernels."""
     bks, bns = w.block
     per_channel = (bks, bns) == (k, 1)
     if act_quant and target == "tpu":
@@ -158,38 +190,53 @@ def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
     blk = tuning.fp8_blocks(target, m, k, n, w.block)
     if blk is None:
         raise UnsupportedShapeError(f"FP8 Pallas ({target}) cannot tile M={m} K={k} N={n} scale block {w.block}")
-    vmem = tuning.fp8_vmem_bytes(blk, k, jnp.dtype(x2.dtype).itemsize)
+    vmem = tuning.fp8_vmem_bytes(blk, k, jnp.dtype(x_dtype).itemsize)
     if target == "tpu" and vmem > tuning.TPU_VMEM_LIMIT_BYTES:
         raise UnsupportedShapeError(f"FP8 TPU kernel would need {vmem >> 20} MiB of VMEM for K={k}")
-    bm, bn, bk = blk.bm, blk.bn, math.gcd(blk.bk, ACT_BLOCK) if act_quant else blk.bk
+    if act_quant and k % ACT_BLOCK:
+        raise UnsupportedShapeError(f"FP8 activations need K % {ACT_BLOCK} == 0, got K={k}")
+    bk = math.gcd(blk.bk, ACT_BLOCK) if act_quant else blk.bk
+    kw = dict(bk=bk, bks=bks, bn_per_scale=max(bns // blk.bn, 1), per_channel=per_channel, act_quant=act_quant,
+              cdt=compute_dtype(x_dtype))
+    return blk.bm, blk.bn, kw
+
+
+def _x_args(xp, act_quant: bool, spec_of):
+    """Activation operands and specs: x, or (x as e4m3, its 1x128 scales) for W8A8."""
+    m, k = xp.shape
+    if not act_quant:
+        return [xp], [spec_of(k)]
+    xq, xs = quantize_activations_fp8(xp)
+    return [xq, xs], [spec_of(k), spec_of(k // ACT_BLOCK)]
+
+
+def _gpu_params(bm: int):
+    warps, stages = tuning.matmul_gpu_launch(bm)
+    return pltr.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
+    m, k = x2.shape
+    n = w.q.shape[-1]
+    bm, bn, kw = _plan(m, k, n, w, x2.dtype, act_quant, target)
     mp = cdiv(m, bm) * bm
-    xp = jnp.pad(x2, ((0, mp - m), (0, 0)))
-    args, in_specs = [], []
-    if act_quant:
-        xq, xs = quantize_activations_fp8(xp)
-        args += [xq, xs]
-        in_specs += [pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                     pl.BlockSpec((bm, k // ACT_BLOCK), lambda i, j: (i, 0))]
-    else:
-        args.append(xp)
-        in_specs.append(pl.BlockSpec((bm, k), lambda i, j: (i, 0)))
+    args, in_specs = _x_args(jnp.pad(x2, ((0, mp - m), (0, 0))), act_quant,
+                             lambda cols: pl.BlockSpec((bm, cols), lambda i, j: (i, 0)))
     args += [w.q, w.scale.astype(jnp.float32)]
     in_specs.append(pl.BlockSpec((k, bn), lambda i, j: (0, j)))
-    if per_channel:
+    if kw["per_channel"]:
         in_specs.append(pl.BlockSpec((1, bn), lambda i, j: (0, j)))
     elif target == "tpu":
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     else:
         in_specs.append(pl.BlockSpec(w.scale.shape, lambda i, j: (0, 0)))
     if target == "gpu":
-        params = pltr.CompilerParams(num_warps=4, num_stages=3)
+        params = _gpu_params(bm)
     else:
         params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                       vmem_limit_bytes=tuning.TPU_VMEM_LIMIT_BYTES)
-    kernel = functools.partial(_kernel, bk=bk, bks=bks, bn_per_scale=max(bns // bn, 1), per_channel=per_channel,
-                               act_quant=act_quant, cdt=compute_dtype(x2.dtype))
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, **kw),
         grid=(mp // bm, n // bn),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
@@ -199,6 +246,57 @@ def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
         name=f"fp8_matmul_{target}",
     )(*args)
     return out[:m]
+
+
+def _grouped_forward(x, w: Fp8Weight, group_sizes, act_quant: bool, target: str, interpret: bool):
+    m, k = x.shape
+    num_groups, _, n = w.q.shape
+    bm, bn, kw = _plan(cdiv(m, num_groups), k, n, w, x.dtype, act_quant, target)  # bm from rows per expert
+    tile_expert, tile_valid, src, dest = moe_tiles.align_rows(group_sizes, m, bm)
+    t = tile_expert.shape[0]
+    scale = w.scale.astype(jnp.float32)  # [E, nk, nn]
+    out_shape = jax.ShapeDtypeStruct((t * bm, n), x.dtype)
+    kernel = functools.partial(_grouped_kernel, tile_axis=0 if target == "gpu" else 1, **kw)
+    if target == "gpu":
+        args, in_specs = _x_args(moe_tiles.gather_tiles(x, src), act_quant,
+                                 lambda cols: pl.BlockSpec((bm, cols), lambda i, j: (i, 0)))
+        meta = pl.BlockSpec((t,), lambda i, j: (0,))
+        s_spec = (pl.BlockSpec((num_groups, 1, bn), lambda i, j: (0, 0, j)) if kw["per_channel"]
+                  else pl.BlockSpec(scale.shape, lambda i, j: (0, 0, 0)))
+        out = pl.pallas_call(
+            kernel, grid=(t, n // bn),
+            in_specs=[meta, meta, *in_specs, pl.BlockSpec((num_groups, k, bn), lambda i, j: (0, 0, j)), s_spec],
+            out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)), out_shape=out_shape,
+            compiler_params=_gpu_params(bm), interpret=interpret, name="fp8_grouped_matmul_gpu",
+        )(tile_expert, tile_valid, *args, w.q, scale)
+        return moe_tiles.scatter_back(out, dest)
+    args, in_specs = _x_args(moe_tiles.gather_tiles(x, src), act_quant,
+                             lambda cols: pl.BlockSpec((bm, cols), lambda j, v, te, tv: (v, 0)))
+    s_spec = (pl.BlockSpec((None, 1, bn), lambda j, v, te, tv: (te[v], 0, j)) if kw["per_channel"]
+              else pl.BlockSpec((None, *scale.shape[1:]), lambda j, v, te, tv: (te[v], 0, 0),
+                                memory_space=pltpu.SMEM))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(n // bn, t),  # tiles innermost: consecutive tiles of one expert reuse its fetched weight block
+            in_specs=[*in_specs, pl.BlockSpec((None, k, bn), lambda j, v, te, tv: (te[v], 0, j)), s_spec],
+            out_specs=pl.BlockSpec((bm, bn), lambda j, v, te, tv: (v, j)),
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=tuning.TPU_VMEM_LIMIT_BYTES),
+        interpret=interpret,
+        name="fp8_grouped_matmul_tpu",
+    )(tile_expert, tile_valid, *args, w.q, scale)
+    return moe_tiles.scatter_back(out, dest)
+
+
+def _default_act_quant(act_quant: bool | None, x: jax.Array, target: str, interpret: bool) -> bool:
+    """``None`` -> W8A8 exactly for the compiled Triton body with 16-bit activations and K % 128 == 0."""
+    if act_quant is not None:
+        return act_quant
+    return target == "gpu" and not interpret and jnp.dtype(x.dtype).itemsize == 2 and x.shape[-1] % ACT_BLOCK == 0
 
 
 def fp8_matmul(
@@ -213,13 +311,46 @@ def fp8_matmul(
     """FP8-weight matmul (W8A16, or W8A8 with dynamic activation scales); see the module docstring."""
     if w.q.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8_matmul needs x [..., K] and a 2-D weight [K, N]; got x {x.shape}, w {w.shape}")
-    tgt = resolve_target(target)
-    if act_quant is None:
-        act_quant = (resolve_impl(impl) == "pallas" and tgt == "gpu" and backend() == "gpu"
-                     and jnp.dtype(x.dtype).itemsize == 2 and x.shape[-1] % ACT_BLOCK == 0)
 
-    def run_pallas():
-        out = _forward(x.reshape(-1, x.shape[-1]), w, act_quant, tgt, resolve_interpret(interpret))
+    def build(tgt, interp):
+        aq = _default_act_quant(act_quant, x, tgt, interp)
+        out = _forward(x.reshape(-1, x.shape[-1]), w, aq, tgt, interp)
         return out.reshape(*x.shape[:-1], w.shape[-1])
 
-    return dispatch(impl, run_pallas, lambda: fp8_matmul_reference(x, w, act_quant=act_quant))
+    return dispatch_kernel("fp8_matmul", impl, target, interpret, build,
+                           lambda: fp8_matmul_reference(x, w, act_quant=bool(act_quant)))
+
+
+def fp8_grouped_matmul_reference(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, *,
+                                 act_quant: bool = False) -> jax.Array:
+    """Ragged: x [M, K] sorted by expert, w [E, K, N], group_sizes i32[E] -> [M, N] (dequantizes every expert:
+    a reference, not a serving path)."""
+    if act_quant:
+        q, s = quantize_activations_fp8(x)
+        x = (q.astype(jnp.float32) * jnp.repeat(s, ACT_BLOCK, axis=-1)).astype(x.dtype)
+    out = jax.lax.ragged_dot(x, dequantize_fp8(w, x.dtype), group_sizes, preferred_element_type=jnp.float32,
+                             precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
+
+
+def fp8_grouped_matmul(
+    x: jax.Array,  # [M, K], rows sorted by expert
+    w: Fp8Weight,  # f8e4m3[E, K, N], scales [E, ceil(K/bk), ceil(N/bn)]
+    group_sizes: jax.Array,  # i32[E]
+    *,
+    act_quant: bool | None = None,
+    impl: str = "auto",
+    interpret: bool | None = None,
+    target: str | None = None,
+) -> jax.Array:  # [M, N] in x's dtype; rows past sum(group_sizes) are zero (as lax.ragged_dot)
+    """Grouped (MoE) FP8 matmul: rows ``[start_e, end_e)`` use expert ``e``; each tile dequantizes its own
+    expert's weight tile in registers/VMEM (never the expert stack). See the module docstring."""
+    if x.ndim != 2 or w.q.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"fp8_grouped_matmul needs x [M, K], w [E, K, N], group_sizes [E]; got x {x.shape}, "
+                         f"w {w.shape}, group_sizes {group_sizes.shape}")
+
+    def build(tgt, interp):
+        return _grouped_forward(x, w, group_sizes, _default_act_quant(act_quant, x, tgt, interp), tgt, interp)
+
+    return dispatch_kernel("fp8_grouped_matmul", impl, target, interpret, build,
+                           lambda: fp8_grouped_matmul_reference(x, w, group_sizes, act_quant=bool(act_quant)))

@@ -18,13 +18,15 @@ the wrapper splits the activations once into ``x_lo [M, K/2]`` (the columns that
 ``x_hi [M, K/2]``, so a kernel step loads a ``[bk, bn]`` tile of packed bytes, unpacks it with a mask and a
 shift into two tiles, scales them by their group's scale row and runs two 16-bit dots into an f32
 accumulator: ``acc += x_lo[:, kb] @ lo + x_hi[:, kb] @ hi``. Weight bytes are read once per output tile,
-which is what makes W4A16 decode (small M) fast. The same kernel body lowers with Pallas Triton (GPU; grid
-(M tiles, N tiles), loop over K) and Mosaic TPU. The grouped form:
+which is what makes W4A16 decode (small M) fast. The same kernel body lowers with Pallas Triton (GPU) and
+Mosaic TPU. Dense grid (M tiles, N tiles, K splits): on a GPU, K is split (split-K, as Marlin/Machete do at
+small M) until the grid fills ~2 waves of the SMs (:func:`pallas_kernels.tuning.split_k`; N=2,048 at M<=16
+gives 16 (M, N) programs, x8 splits = 128), and the f32 partials are summed in XLA; TPU uses one split.
 
-* GPU: one program per (M tile, N tile) loops over the experts whose rows intersect its M tile (row
-  masks; empty experts are skipped), so each output tile is written by exactly one program.
-* TPU: megablox-style visits: a static list of (M tile, expert) pairs, scalar-prefetched, sorted by M
-  tile; consecutive visits of one M tile accumulate into a VMEM accumulator (sequential grid axis).
+Grouped form: rows are first gathered into expert-aligned tiles (:mod:`pallas_kernels.moe_tiles`), so each
+program computes one tile of one expert, reading only that expert's weight tile and no other expert's rows.
+GPU grid (tiles, N tiles), the expert id read from a small array; TPU grid (N tiles, tiles) with the expert
+ids scalar-prefetched into the weight BlockSpec's index map (unused tiles repeat the last block: no DMA).
 
 Shapes the Pallas path refuses (:class:`~pallas_kernels.common.UnsupportedShapeError`; ``impl="auto"``
 falls back to the reference): GPU needs a power-of-two group size and N divisible by 16; TPU needs N
@@ -44,16 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels import tuning
-from pallas_kernels.common import (
-    UnsupportedShapeError,
-    cdiv,
-    compute_dtype,
-    dispatch,
-    dot_nn,
-    resolve_interpret,
-    resolve_target,
-)
+from pallas_kernels import moe_tiles, tuning
+from pallas_kernels.common import UnsupportedShapeError, cdiv, compute_dtype, dispatch_kernel, dot_nn
 
 
 @struct.dataclass
@@ -112,13 +106,14 @@ def dequantize_int4(w: Int4Weight, dtype=jnp.float32) -> jax.Array:
 
 def int4_matmul_reference(x: jax.Array, w: Int4Weight) -> jax.Array:
     """x [..., K] @ dequant(w) [K, N] -> [..., N] in x's dtype, f32 accumulation."""
-    return jnp.einsum("...k,kn->...n", x, dequantize_int4(w, x.dtype), preferred_element_type=jnp.float32
-                      ).astype(x.dtype)
+    return jnp.einsum("...k,kn->...n", x, dequantize_int4(w, x.dtype), preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
 def int4_grouped_matmul_reference(x: jax.Array, w: Int4Weight, group_sizes: jax.Array) -> jax.Array:
     """Ragged: x [M, K] sorted by expert, w [E, K, N], group_sizes i32[E] -> [M, N]."""
-    out = jax.lax.ragged_dot(x, dequantize_int4(w, x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(x, dequantize_int4(w, x.dtype), group_sizes, preferred_element_type=jnp.float32,
+                             precision=jax.lax.Precision.HIGHEST)
     return out.astype(x.dtype)
 
 
@@ -187,9 +182,10 @@ def _blocks(target: str, m: int, k: int, n: int, group_size: int, x_dtype) -> tu
     return blk
 
 
-def _compiler_params(target: str, semantics: tuple[str, ...]):
+def _compiler_params(target: str, semantics: tuple[str, ...], m: int = 64):
     if target == "gpu":
-        return pltr.CompilerParams(num_warps=4, num_stages=2)
+        warps, stages = tuning.matmul_gpu_launch(m)
+        return pltr.CompilerParams(num_warps=warps, num_stages=stages)
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=tuning.TPU_VMEM_LIMIT_BYTES)
 
 
@@ -198,146 +194,95 @@ def _scale_scratch(target: str, scale_dtype, shape) -> list:
 
 
 def _dense_forward(x2, w: Int4Weight, target: str, interpret: bool):
+    """Grid (M tiles, N tiles, K splits). GPU split-K: at decode M one (M, N) tile grid has too few programs
+    (N=2,048 -> 16 on 132 SMs), so K is split until ~2 waves; f32 partials [splits, M, N] are summed in XLA."""
     m, k = x2.shape
     n = w.packed.shape[-1]
     blk = _blocks(target, m, k, n, w.group_size, x2.dtype)
     mp = cdiv(m, blk.bm) * blk.bm
     xlo, xhi = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in split_activations(x2, w.group_size))
     kh, ng = k // 2, k // w.group_size
-    x_spec = pl.BlockSpec((blk.bm, kh), lambda i, j: (i, 0))
+    tm, tn = mp // blk.bm, n // blk.bn
+    ns = tuning.split_k(tm * tn, kh // blk.bk) if target == "gpu" else 1
+    khs, ngs = kh // ns, ng // ns
+    x_spec = pl.BlockSpec((blk.bm, khs), lambda i, j, s: (i, s))
+    out_dtype = jnp.float32 if ns > 1 else x2.dtype
     out = pl.pallas_call(
         functools.partial(_dense_kernel, bk=blk.bk, half=w.group_size // 2, cdt=compute_dtype(x2.dtype)),
-        grid=(mp // blk.bm, n // blk.bn),
-        in_specs=[x_spec, x_spec, pl.BlockSpec((kh, blk.bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((ng, blk.bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((blk.bm, blk.bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), x2.dtype),
-        scratch_shapes=_scale_scratch(target, w.scale.dtype, (ng, blk.bn)),
-        compiler_params=_compiler_params(target, ("parallel", "parallel")),
+        grid=(tm, tn, ns),
+        in_specs=[x_spec, x_spec, pl.BlockSpec((khs, blk.bn), lambda i, j, s: (s, j)),
+                  pl.BlockSpec((ngs, blk.bn), lambda i, j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, blk.bm, blk.bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((ns, mp, n), out_dtype),
+        scratch_shapes=_scale_scratch(target, w.scale.dtype, (ngs, blk.bn)),
+        compiler_params=_compiler_params(target, ("parallel", "parallel", "parallel"), m),
         interpret=interpret,
         name=f"int4_matmul_{target}",
     )(xlo, xhi, w.packed, w.scale)
-    return out[:m]
+    return (out[0] if ns == 1 else jnp.sum(out, axis=0)).astype(x2.dtype)[:m]
 
 
-def group_boundaries(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """i32[E] -> (starts, ends) row ranges, clipped to [0, m] (rows past sum(group_sizes) belong to no group)."""
-    ends = jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32)), 0, m)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
+def _grouped_kernel(te_ref, tv_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *scratch, tile_axis, bk, half, cdt):
+    """One expert-aligned tile: rows of one expert only (see :mod:`pallas_kernels.moe_tiles`). GPU (tile_axis 0):
+    w/s refs hold every expert's N tile, indexed by the tile's expert; TPU (tile_axis 1): the pipeline already
+    fetched the tile's expert block (scalar-prefetched expert ids in the index map)."""
+    t = pl.program_id(tile_axis)
+    expert = te_ref[t] if tile_axis == 0 else None
 
+    @pl.when(tv_ref[t] == 1)
+    def _compute():
+        acc = jnp.zeros(o_ref.shape, jnp.float32)
+        o_ref[...] = _k_loop(xlo_ref, xhi_ref, w_ref, _f32_scales(s_ref, scratch), acc, bk=bk, half=half, cdt=cdt,
+                             expert=expert).astype(o_ref.dtype)
 
-def tile_visits(group_sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Megablox visit list for the TPU grouped kernel, static length cdiv(m, bm) + E.
-
-    Returns (tile, group, valid) i32[V]: the (M tile, expert) pairs with rows in common, in M-tile order,
-    then one invalid visit per M tile that no expert reaches (so it is written as zeros), then invalid
-    padding that repeats the last visit (same block indices: no new DMA, no compute).
-    """
-    starts, ends = group_boundaries(group_sizes, m)
-    num_groups = starts.shape[0]
-    tm = cdiv(m, bm)
-    nonempty = ends > starts
-    first = starts // bm
-    count = jnp.where(nonempty, (ends - 1) // bm - first + 1, 0)
-    cum = jnp.cumsum(count)
-    total = cum[-1]
-    v = jnp.arange(tm + num_groups, dtype=jnp.int32)
-    e = jnp.minimum(jnp.searchsorted(cum, v, side="right"), num_groups - 1).astype(jnp.int32)
-    tile_g = first[e] + v - (cum[e] - count[e])
-    covered = (ends[-1] + bm - 1) // bm
-    u = v - total
-    tile = jnp.where(v < total, tile_g, jnp.where(u < tm - covered, covered + u, tm - 1))
-    last_group = jnp.where(total > 0, e[jnp.maximum(total - 1, 0)], 0)
-    group = jnp.where(v < total, e, last_group)
-    return tile.astype(jnp.int32), group.astype(jnp.int32), (v < total).astype(jnp.int32)
-
-
-def _grouped_gpu_kernel(st_ref, en_ref, lo_ref, hi_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, bk, half, cdt):
-    bm = o_ref.shape[0]
-    rows = pl.program_id(0) * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-
-    def expert(e, acc):
-        start, end = st_ref[e], en_ref[e]
-        mask = (rows >= start) & (rows < end)
-        return jax.lax.cond(end > start, lambda a: _k_loop(xlo_ref, xhi_ref, w_ref, s_ref, a, bk=bk, half=half,
-                                                            cdt=cdt, row_mask=mask, expert=e), lambda a: a, acc)
-
-    acc = jax.lax.fori_loop(lo_ref[0], hi_ref[0], expert, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
-def _grouped_tpu_kernel(tile_ref, grp_ref, valid_ref, st_ref, en_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, acc_ref,
-                        *scratch, bk, half, cdt):
-    v, nv = pl.program_id(1), pl.num_programs(1)
-    tile, e = tile_ref[v], grp_ref[v]
-    bm = o_ref.shape[0]
-
-    @pl.when((v == 0) | (tile != tile_ref[jnp.maximum(v - 1, 0)]))
-    def _init():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(valid_ref[v] == 1)
-    def _accumulate():
-        rows = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        mask = (rows >= st_ref[e]) & (rows < en_ref[e])
-        acc_ref[...] = _k_loop(xlo_ref, xhi_ref, w_ref, _f32_scales(s_ref, scratch), acc_ref[...], bk=bk, half=half,
-                               cdt=cdt, row_mask=mask)
-
-    @pl.when((v == nv - 1) | (tile != tile_ref[jnp.minimum(v + 1, nv - 1)]))
-    def _write():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+    @pl.when(tv_ref[t] == 0)
+    def _unused():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
 def _grouped_forward(x, w: Int4Weight, group_sizes, target: str, interpret: bool):
     m, k = x.shape
     num_groups, kh, n = w.packed.shape
     ng = k // w.group_size
-    blk = _blocks(target, m, k, n, w.group_size, x.dtype)
+    blk = _blocks(target, cdiv(m, num_groups), k, n, w.group_size, x.dtype)  # bm from rows per expert
     bm, bn = blk.bm, blk.bn
-    mp = cdiv(m, bm) * bm
-    tm = mp // bm
-    xlo, xhi = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in split_activations(x, w.group_size))
-    starts, ends = group_boundaries(group_sizes, m)
+    tile_expert, tile_valid, src, dest = moe_tiles.align_rows(group_sizes, m, bm)
+    t = tile_expert.shape[0]
+    xlo, xhi = (moe_tiles.gather_tiles(a, src) for a in split_activations(x, w.group_size))
     kw = dict(bk=blk.bk, half=w.group_size // 2, cdt=compute_dtype(x.dtype))
     if target == "gpu":
-        t0 = jnp.arange(tm, dtype=jnp.int32) * bm
-        lo = jnp.searchsorted(ends, t0, side="right").astype(jnp.int32)
-        hi = jnp.searchsorted(starts, jnp.minimum(t0 + bm, m), side="left").astype(jnp.int32)
-        meta = pl.BlockSpec((num_groups,), lambda i, j: (0,))
-        tile1 = pl.BlockSpec((1,), lambda i, j: (i,))
         x_spec = pl.BlockSpec((bm, kh), lambda i, j: (i, 0))
+        meta = pl.BlockSpec((t,), lambda i, j: (0,))
         out = pl.pallas_call(
-            functools.partial(_grouped_gpu_kernel, **kw),
-            grid=(tm, n // bn),
-            in_specs=[meta, meta, tile1, tile1, x_spec, x_spec,
-                      pl.BlockSpec((num_groups, kh, bn), lambda i, j: (0, 0, j)),
+            functools.partial(_grouped_kernel, tile_axis=0, **kw),
+            grid=(t, n // bn),
+            in_specs=[meta, meta, x_spec, x_spec, pl.BlockSpec((num_groups, kh, bn), lambda i, j: (0, 0, j)),
                       pl.BlockSpec((num_groups, ng, bn), lambda i, j: (0, 0, j))],
             out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
-            compiler_params=_compiler_params(target, ()),
+            out_shape=jax.ShapeDtypeStruct((t * bm, n), x.dtype),
+            compiler_params=_compiler_params(target, (), bm),
             interpret=interpret,
             name="int4_grouped_matmul_gpu",
-        )(starts, ends, lo, hi, xlo, xhi, w.packed, w.scale)
-        return out[:m]
-    tile, group, valid = tile_visits(group_sizes, mp, bm)
-    x_spec = pl.BlockSpec((bm, kh), lambda j, v, t, g, *_: (t[v], 0))
+        )(tile_expert, tile_valid, xlo, xhi, w.packed, w.scale)
+        return moe_tiles.scatter_back(out, dest)
+    x_spec = pl.BlockSpec((bm, kh), lambda j, v, te, tv: (v, 0))
     out = pl.pallas_call(
-        functools.partial(_grouped_tpu_kernel, **kw),
+        functools.partial(_grouped_kernel, tile_axis=1, **kw),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
-            grid=(n // bn, tile.shape[0]),
+            num_scalar_prefetch=2,
+            grid=(n // bn, t),  # tiles innermost: consecutive tiles of one expert reuse its fetched weight block
             in_specs=[x_spec, x_spec,
-                      pl.BlockSpec((None, kh, bn), lambda j, v, t, g, *_: (g[v], 0, j)),
-                      pl.BlockSpec((None, ng, bn), lambda j, v, t, g, *_: (g[v], 0, j))],
-            out_specs=pl.BlockSpec((bm, bn), lambda j, v, t, g, *_: (t[v], j)),
-            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32), *_scale_scratch(target, w.scale.dtype, (ng, bn))],
+                      pl.BlockSpec((None, kh, bn), lambda j, v, te, tv: (te[v], 0, j)),
+                      pl.BlockSpec((None, ng, bn), lambda j, v, te, tv: (te[v], 0, j))],
+            out_specs=pl.BlockSpec((bm, bn), lambda j, v, te, tv: (v, j)),
+            scratch_shapes=_scale_scratch(target, w.scale.dtype, (ng, bn)),
         ),
-        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((t * bm, n), x.dtype),
         compiler_params=_compiler_params(target, ("parallel", "arbitrary")),
         interpret=interpret,
         name="int4_grouped_matmul_tpu",
-    )(tile, group, valid, starts, ends, xlo, xhi, w.packed, w.scale)
-    return out[:m]
+    )(tile_expert, tile_valid, xlo, xhi, w.packed, w.scale)
+    return moe_tiles.scatter_back(out, dest)
 
 
 # --------------------------------------------------------------------------------------------- public entry
@@ -355,12 +300,11 @@ def int4_matmul(
     if w.packed.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"int4_matmul needs x [..., K] and a 2-D weight [K, N]; got x {x.shape}, w {w.shape}")
 
-    def run_pallas():
-        x2 = x.reshape(-1, x.shape[-1])
-        out = _dense_forward(x2, w, resolve_target(target), resolve_interpret(interpret))
+    def build(tgt, interp):
+        out = _dense_forward(x.reshape(-1, x.shape[-1]), w, tgt, interp)
         return out.reshape(*x.shape[:-1], w.shape[-1])
 
-    return dispatch(impl, run_pallas, lambda: int4_matmul_reference(x, w))
+    return dispatch_kernel("int4_matmul", impl, target, interpret, build, lambda: int4_matmul_reference(x, w))
 
 
 def int4_grouped_matmul(
@@ -377,7 +321,8 @@ def int4_grouped_matmul(
         raise ValueError(f"int4_grouped_matmul needs x [M, K], w [E, K, N], group_sizes [E]; got x {x.shape}, "
                          f"w {w.shape}, group_sizes {group_sizes.shape}")
 
-    def run_pallas():
-        return _grouped_forward(x, w, group_sizes, resolve_target(target), resolve_interpret(interpret))
+    def build(tgt, interp):
+        return _grouped_forward(x, w, group_sizes, tgt, interp)
 
-    return dispatch(impl, run_pallas, lambda: int4_grouped_matmul_reference(x, w, group_sizes))
+    return dispatch_kernel("int4_grouped_matmul", impl, target, interpret, build,
+                           lambda: int4_grouped_matmul_reference(x, w, group_sizes))

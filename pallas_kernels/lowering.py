@@ -94,17 +94,25 @@ def _int4(m: int, k: int, n: int, group: int, scale_dtype, experts: int = 0) -> 
     return Case(f"{kind} M{m} K{k} N{n} g{group} {jnp.dtype(scale_dtype).name}-scale", build, args)
 
 
-def _fp8(m: int, k: int, n: int, block, act_quant: bool) -> Case:
+def _fp8(m: int, k: int, n: int, block, act_quant: bool, experts: int = 0) -> Case:
     bk, bn = (k, 1) if block is None else block
     def build(target):
-        def f(x, q, s):
-            return fp8_matmul.fp8_matmul(x, fp8_matmul.Fp8Weight(q, s, (bk, bn)), act_quant=act_quant, impl="pallas",
-                                         interpret=False, target=target)
+        kw = dict(act_quant=act_quant, impl="pallas", interpret=False, target=target)
+        if experts:
+            def f(x, q, s, sizes):
+                return fp8_matmul.fp8_grouped_matmul(x, fp8_matmul.Fp8Weight(q, s, (bk, bn)), sizes, **kw)
+        else:
+            def f(x, q, s):
+                return fp8_matmul.fp8_matmul(x, fp8_matmul.Fp8Weight(q, s, (bk, bn)), **kw)
         return f
 
-    args = (_a((m, k), jnp.bfloat16), _a((k, n), jnp.float8_e4m3fn), _a((-(-k // bk), -(-n // bn)), jnp.float32))
+    lead = (experts,) if experts else ()
+    args = (_a((m, k), jnp.bfloat16), _a((*lead, k, n), jnp.float8_e4m3fn),
+            _a((*lead, -(-k // bk), -(-n // bn)), jnp.float32))
+    args += (_a((experts,), jnp.int32),) if experts else ()
     kind = "per-channel" if block is None else f"block{bk}x{bn}"
-    return Case(f"fp8_matmul M{m} K{k} N{n} {kind} {'W8A8' if act_quant else 'W8A16'}", build, args,
+    name = f"fp8_grouped E{experts}" if experts else "fp8_matmul"
+    return Case(f"{name} M{m} K{k} N{n} {kind} {'W8A8' if act_quant else 'W8A16'}", build, args,
                 ("cuda",) if act_quant else ("tpu", "cuda"))
 
 
@@ -118,6 +126,9 @@ def cases() -> list[Case]:
         _int4(256, 7168, 2048, 32, jnp.bfloat16, experts=16), _int4(64, 2048, 7168, 128, jnp.float32, experts=8),
         _fp8(4096, 7168, 7168, (128, 128), False), _fp8(4096, 7168, 7168, (128, 128), True),
         _fp8(16, 7168, 2048, None, False), _fp8(16, 7168, 2048, None, True),
+        # GLM-5 routed experts under 8-way EP (32 local of 256, hidden 6144, moe 2048): decode and prefill rows
+        _fp8(64, 6144, 2048, (128, 128), False, experts=32), _fp8(64, 2048, 6144, None, False, experts=32),
+        _fp8(4096, 6144, 2048, (128, 128), True, experts=32),
     ]
 
 

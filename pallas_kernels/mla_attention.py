@@ -14,12 +14,18 @@ masked before they reach the softmax or the value product (see :mod:`pallas_kern
 
 Kernels (same backend choices and reasons as :mod:`pallas_kernels.paged_attention`):
 
-* GPU, Pallas Triton: one program per (row, block of 16 heads, split); each step gathers a block of pages
-  once and uses it for both the score dot (``c`` and ``k_rope``) and the value dot (``c``), with the FP8
-  token scale folded into the logits and into the probabilities. Needs power-of-two page_size,
-  kv_lora_rank and rope_dim (512 and 64 in every Kimi/DeepSeek/GLM config).
+* GPU, Pallas Triton: one program per (row, block of up to 64 heads, split); each step gathers a block of
+  pages once and uses it for both the score dot (``c`` and ``k_rope``) and the value dot (``c``), with the
+  FP8 token scale folded into the logits and into the probabilities. With H <= 64 (Kimi K2: 64 heads) every
+  head is in one block, so each latent page is read once per row, as FlashMLA does; split-K over the pages
+  supplies the parallelism. Needs power-of-two page_size, kv_lora_rank and rope_dim (512 and 64 in every
+  Kimi/DeepSeek/GLM config). FP8 latents are converted to the compute dtype in registers; the FP8 -> 16-bit
+  conversion instructions exist on Hopper (sm_90) and newer, so FP8 pages need Hopper+ (on older GPUs
+  ``impl="auto"`` cannot help: use bf16 pages there).
 * TPU, Mosaic: grid (row, page block) with scalar-prefetched lengths and page table; all heads of a row
-  share each page DMA. Needs kv_lora_rank % 128 == 0 (the rope columns start on a lane-tile boundary).
+  share each page DMA, and each page of a row is fetched once (blocks past the length repeat a fetched page; a row
+  shorter than ``pages_per_block`` pages re-reads its last page per unused operand).
+  Needs kv_lora_rank % 128 == 0 (the rope columns start on a lane-tile boundary).
 """
 
 from __future__ import annotations
@@ -39,14 +45,12 @@ from pallas_kernels.common import (
     combine_splits,
     compute_dtype,
     dequantize_pages,
-    dispatch,
+    dispatch_kernel,
     dot_nt,
     finalize,
     is_fp8,
     is_pow2,
     online_softmax_step,
-    resolve_interpret,
-    resolve_target,
     token_mask_col,
     token_mask_row,
 )
@@ -180,7 +184,7 @@ def _gpu_forward(q_latent, q_rope, pages, pt, lengths, scales, sm_scale, interpr
             jax.ShapeDtypeStruct((b, ns, hp), jnp.float32),
             jax.ShapeDtypeStruct((b, ns, hp), jnp.float32),
         ],
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltr.CompilerParams(num_warps=8 if bh >= 64 else 4, num_stages=2),
         interpret=interpret,
         name="mla_decode_attention_gpu",
     )(lengths, pt, ql, qr, pages, *([scales] if has_scales else []))
@@ -239,8 +243,12 @@ def _tpu_forward(q_latent, q_rope, pages, pt, lengths, scales, sm_scale, interpr
     has_scales = scales is not None
 
     def page(bi, i, len_ref, pt_ref, j):
+        # past the row's last page, operand j keeps its last in-range page (the same block: no new DMA); an
+        # operand with no in-range page (rows shorter than ppb pages) reads the last page (masked anyway)
         last = jnp.maximum(pl.cdiv(len_ref[bi], s) - 1, 0)
-        return pt_ref[bi * maxp + jnp.minimum(i * ppb + j, last)]
+        idx = i * ppb + j
+        kept = jnp.where(j <= last, j + jax.lax.div(last - j, ppb) * ppb, last)
+        return pt_ref[bi * maxp + jnp.where(idx <= last, idx, kept)]
 
     in_specs = [pl.BlockSpec((None, h, r), lambda bi, i, lr, pr: (bi, 0, 0)),
                 pl.BlockSpec((None, h, rope), lambda bi, i, lr, pr: (bi, 0, 0)),
@@ -295,11 +303,11 @@ def mla_decode_attention(
         return mla_decode_attention_reference(q_latent, q_rope, latent_pages, page_table, lengths, scales=scales,
                                               sm_scale=sm_scale)
 
-    def run_pallas():
+    def build(tgt, interp):
         p, s, _ = latent_pages.shape
         pt = jnp.clip(page_table.astype(jnp.int32), 0, p - 1)
         lens = jnp.clip(lengths.astype(jnp.int32), 0, page_table.shape[1] * s)
-        fwd = _tpu_forward if resolve_target(target) == "tpu" else _gpu_forward
-        return fwd(q_latent, q_rope, latent_pages, pt, lens, scales, sm_scale, resolve_interpret(interpret))
+        fwd = _tpu_forward if tgt == "tpu" else _gpu_forward
+        return fwd(q_latent, q_rope, latent_pages, pt, lens, scales, sm_scale, interp)
 
-    return dispatch(impl, run_pallas, run_reference)
+    return dispatch_kernel("mla_decode_attention", impl, target, interpret, build, run_reference)

@@ -22,10 +22,11 @@ update of :mod:`pallas_kernels.common`:
   range and writes unnormalized partials that XLA merges (split-K, so short batches still fill the GPU).
   Why Triton and not Mosaic GPU: the page gather is an indexed pointer load in Triton, while Mosaic GPU
   needs one TMA copy per page, warpgroup-sized (64-row) WGMMA tiles that a decode step (1..8 query heads
-  per KV head) cannot fill, and Hopper-only code; the Triton kernel runs on Ampere and Hopper, lowers
-  from a CPU machine, and its body is exactly what interpret mode tests on the CPU. Triton is deprecated
-  from jax 0.11 (this project pins 0.10.2); the body is small and isolated so a Mosaic GPU port can
-  replace it. FP8: K is upcast to the query dtype for the tensor-core dot and its scale is folded into the
+  per KV head) cannot fill, and Hopper-only code; the Triton kernel runs BF16/F32 pages on Ampere and
+  Hopper (FP8 pages need the FP8 -> 16-bit conversions of Hopper (sm_90) and newer), lowers from a CPU
+  machine, and its body is exactly what interpret mode tests on the CPU. Triton is deprecated from jax 0.11
+  (this project pins 0.10.2); the body is small and isolated so a Mosaic GPU port can replace it.
+  FP8: K is upcast to the query dtype for the tensor-core dot and its scale is folded into the
   logits, the V scale is folded into the probabilities. Needs power-of-two page_size and head_dim.
 * TPU: **Mosaic TPU**, lengths and the page table scalar-prefetched into SMEM, grid (row, KV head, page
   block); the BlockSpec index maps read page ids from SMEM, so Pallas double-buffers the page DMAs, and
@@ -51,14 +52,12 @@ from pallas_kernels.common import (
     combine_splits,
     compute_dtype,
     dequantize_pages,
-    dispatch,
+    dispatch_kernel,
     dot_nt,
     finalize,
     is_fp8,
     is_pow2,
     online_softmax_step,
-    resolve_interpret,
-    resolve_target,
     token_mask_col,
     token_mask_row,
 )
@@ -317,13 +316,13 @@ def paged_decode_attention(
         return paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, k_scales=k_scales,
                                                 v_scales=v_scales, sm_scale=sm_scale)
 
-    def run_pallas():
+    def build(tgt, interp):
         if (k_scales is None) != (v_scales is None):
             raise UnsupportedShapeError("the kernels take both K and V scales or neither")
         p, s = k_pages.shape[:2]
         pt = jnp.clip(page_table.astype(jnp.int32), 0, p - 1)
         lens = jnp.clip(lengths.astype(jnp.int32), 0, page_table.shape[1] * s)
-        fwd = _tpu_forward if resolve_target(target) == "tpu" else _gpu_forward
-        return fwd(q, k_pages, v_pages, pt, lens, k_scales, v_scales, sm_scale, resolve_interpret(interpret))
+        fwd = _tpu_forward if tgt == "tpu" else _gpu_forward
+        return fwd(q, k_pages, v_pages, pt, lens, k_scales, v_scales, sm_scale, interp)
 
-    return dispatch(impl, run_pallas, run_reference)
+    return dispatch_kernel("paged_decode_attention", impl, target, interpret, build, run_reference)

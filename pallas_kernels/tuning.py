@@ -53,7 +53,9 @@ def gqa_tpu(page_size: int, max_pages: int) -> DecodeBlocks:
 
 
 def mla_gpu(batch: int, num_heads: int, page_size: int, max_pages: int) -> DecodeBlocks:
-    block_h = 16  # 16 x kv_lora_rank f32 accumulator per program; more heads -> more programs
+    # all heads (up to 64, Kimi/DeepSeek-V3 per device) in one program: the latent page is read once per row
+    # (FlashMLA's layout), not once per 16 heads; the 64 x kv_lora_rank f32 accumulator needs 8 warps
+    block_h = min(max(16, next_pow2(num_heads)), 64)
     ppb = min(max(1, 32 // page_size), next_pow2(max_pages))
     splits, pps = _split(batch * cdiv(num_heads, block_h), max_pages, ppb, gpu_core_count())
     return DecodeBlocks(ppb, splits, pps, block_h)
@@ -73,6 +75,23 @@ class MatmulBlocks:
 
 def _largest_divisor(n: int, candidates) -> int | None:
     return next((c for c in candidates if n % c == 0), None)
+
+
+def split_k(programs: int, k_steps: int, cores: int | None = None) -> int:
+    """GPU split-K factor: the largest power of two that divides the K steps and keeps programs x splits within
+    ~2 waves of the SMs (1 when the (M, N) grid already fills them, e.g. prefill)."""
+    want = cdiv(2 * (cores or gpu_core_count()), max(programs, 1))
+    splits = 1
+    while splits * 2 <= want and k_steps % (splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
+def matmul_gpu_launch(bm: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the Triton matmul kernels: decode tiles (bm <= 16) are weight-streaming, so
+    more stages keep more weight tiles in flight; larger tiles use 4 warps and 3 stages. Untuned defaults: no
+    GPU measurement has set them yet."""
+    return (4, 4) if bm <= 16 else (4, 3)
 
 
 def int4_blocks(target: str, m: int, k: int, n: int, group_size: int) -> MatmulBlocks | None:

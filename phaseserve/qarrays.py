@@ -6,7 +6,7 @@ A weight is either a plain array (float32 / bfloat16) or one of the quantized py
 type                leaves                                       kernels (``pallas_kernels``)
 ==================  ===========================================  =============================================
 :class:`Int4Weight`  packed u8[..., K/2, N], scale [..., K/G, N]   ``int4_matmul``, ``int4_grouped_matmul``
-:class:`Fp8Weight`   q f8e4m3[..., K, N], scale [..., K/bk, N/bn]  ``fp8_matmul``; grouped: dequantize + ragged_dot
+:class:`Fp8Weight`   q f8e4m3[..., K, N], scale [..., K/bk, N/bn]  ``fp8_matmul``, ``fp8_grouped_matmul``
 ==================  ===========================================  =============================================
 
 The types are defined beside their kernels (``pallas_kernels.int4_matmul.quantize_int4`` returns an
@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_matmul import Fp8Weight, dequantize_fp8, fp8_matmul
+from pallas_kernels.fp8_matmul import Fp8Weight, dequantize_fp8, fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4, int4_grouped_matmul, int4_matmul
 
 __all__ = ["Fp8Weight", "Int4Weight", "QuantOps", "dense", "dequantize", "grouped_dense", "is_quantized",
@@ -94,5 +94,4 @@ def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 register(Int4Weight, QuantOps(dense=int4_matmul, grouped_dense=int4_grouped_matmul, dequantize=dequantize_int4))
-register(Fp8Weight, QuantOps(dense=fp8_matmul, dequantize=dequantize_fp8,
-                             grouped_dense=lambda x, w, gs: _ragged(x, dequantize_fp8(w, x.dtype), gs)))
+register(Fp8Weight, QuantOps(dense=fp8_matmul, grouped_dense=fp8_grouped_matmul, dequantize=dequantize_fp8))
