@@ -96,8 +96,8 @@ class Generation:
                 return
             was_stopped = self.text.stopped
             delta = self.text.feed(arg)
-            if delta:
-                yield delta
+            if not was_stopped:
+                yield delta  # possibly "" (a special token, part of a character): one chunk per engine step
             if self.text.stopped and not was_stopped:
                 self.loop.cancel(self.req.id)
             item = await self.handle.get()
@@ -122,7 +122,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["loop"] = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step)
+        state["loop"] = app.state.loop = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step)
         yield
         state["loop"].close()
 

@@ -16,6 +16,9 @@ shipped default model has); a checkpoint without one is refused with a :class:`~
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +87,28 @@ def serve(cfg: DictConfig) -> None:
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend) on http://{s.host}:{s.port}/v1", flush=True)
     uvicorn.run(create_app(backend, tok, str(s.model_name)), host=str(s.host), port=int(s.port),
                 log_level=str(s.log_level))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_in_thread(app: Any, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0,
+                    log_level: str = "warning") -> tuple[Any, threading.Thread, str]:
+    """Serve ``app`` with uvicorn in a daemon thread (tests, benchmarks); returns (server, thread, base URL).
+    Stop it with ``server.should_exit = True; thread.join()``."""
+    import uvicorn
+
+    port = port or free_port(host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="phaseserve-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.05)
+    return server, thread, f"http://{host}:{port}"

@@ -25,6 +25,7 @@ not keep every finished output; the totals it reports carry over.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -157,6 +158,7 @@ class EngineLoop:
         self.backend, self.on_finish, self.on_step = backend, on_finish, on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, Handle] = {}
+        self._calls: list[tuple] = []  # run_exclusive calls waiting for the backend to drain
         self._stop = threading.Event()
         self.error: BaseException | None = None  # what ended the loop thread, if anything did
         self._thread = threading.Thread(target=self._run, name="phaseserve-engine-loop", daemon=True)
@@ -170,6 +172,13 @@ class EngineLoop:
 
     def cancel(self, rid: str) -> None:
         self._inbox.put(("cancel", rid))
+
+    def run_exclusive(self, fn) -> concurrent.futures.Future:
+        """Run ``fn(backend)`` in the loop thread once nothing is in flight (no request is stepped meanwhile); e.g.
+        an in-process measurement on the served engine. Returns a future of its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
 
     @property
     def alive(self) -> bool:
@@ -192,6 +201,7 @@ class EngineLoop:
                 self._deliver()
                 if not self.backend.has_work and not self._active:
                     self.backend.idle()
+                    self._run_calls()
                 if self.on_step is not None:
                     self.on_step(self.backend.stats())
         except BaseException as e:  # the loop itself broke (not one request): fail every waiter, say why
@@ -210,21 +220,41 @@ class EngineLoop:
                     self._active[arg.request.id] = arg
                 elif kind == "cancel":
                     self.backend.cancel(arg)
+                elif kind == "call":
+                    self._calls.append(arg)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
 
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.backend))
+                except Exception as e:
+                    fut.set_exception(e)
+
     def _deliver(self) -> None:
+        """Hand new tokens and finishes to the handlers: one wake-up per event loop per iteration, not per request."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, h in list(self._active.items()):
             out = h.output
             n = len(out.tokens)
             if n > h.sent:
-                h._put(("tokens", list(out.tokens[h.sent:n])))
+                batches.setdefault(h.aio, []).append((h.queue, ("tokens", list(out.tokens[h.sent:n]))))
                 h.sent = n
             if out.finish_reason is not None:
                 if out.metrics.finished is None:
                     out.metrics.finished = time.perf_counter()
                 del self._active[rid]
-                h._put(("done", out))
+                batches.setdefault(h.aio, []).append((h.queue, ("done", out)))
                 if self.on_finish is not None:
                     self.on_finish(h)
+        for aio, items in batches.items():
+            aio.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -12,11 +12,11 @@ import http.client
 import json
 import re
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import openai
 import pytest
 
 import phaseserve as ps
@@ -24,22 +24,13 @@ from phaseserve.cache.faults import FaultInjector
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import TOOLS, examples
 from phaseserve.eval.demo import default_model_path
-
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-
-from phaseserve.server import EngineBackend, create_app  # noqa: E402
+from phaseserve.server import EngineBackend, create_app
+from phaseserve.server.launch import start_in_thread
 
 MODEL = "phaseserve-default"
 TOK = ByteTokenizer()
 N_CONCURRENT = 64
 CONCURRENT_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _concurrent_prompts() -> list[str]:
@@ -59,16 +50,8 @@ def server():
             for i, p in enumerate(prompts)]
     reference = {p: list(o.tokens) for p, o in zip(prompts, engine.generate(reqs), strict=True)}
     engine.reset_metrics()
-    port = _free_port()
-    app = create_app(EngineBackend(engine), TOK, MODEL)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
+    srv, thread, base = start_in_thread(create_app(EngineBackend(engine), TOK, MODEL))
+    port = int(base.rsplit(":", 1)[1])
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     yield {"base": base, "client": client, "engine": engine, "reference": reference, "port": port}
     srv.should_exit = True

@@ -1,0 +1,220 @@
+"""Experiment: the HTTP server under load, as the official ``openai`` client sees it, beside the same engine in-process.
+Settings in ``configs/experiment/http_load.yaml``; entry point ``experiments/http_load.py``.
+
+One engine (the configured representation, e.g. the kv_dtype / weight_dtype / integrity workloads' quant and cache
+groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn in a thread of this process, on
+127.0.0.1). For each concurrency and repeat, the same requests are played in two arms, order rotated:
+
+- ``in-process``: :func:`phaseserve.bench.workload.drive` (closed loop) on the served engine, run by the engine
+  loop thread while no HTTP request is in flight (:meth:`~phaseserve.server.EngineLoop.run_exclusive`);
+- ``http``: a client process (spawned, so the client does not share this process's interpreter lock) runs
+  ``AsyncOpenAI`` with ``concurrency`` streamed completions in flight (token-id prompts, ``stream_options.
+  include_usage``) and measures, per request, TTFT (send -> first chunk), TPOT ((last chunk - first chunk) /
+  (completion tokens - 1)) and e2e (send -> end of stream); throughput is completion tokens over the run's wall
+  time (first send -> last stream end).
+
+The engine's numbers use the same definitions on its own clock (``RequestMetrics``: arrival at ``add_request``).
+``overhead`` = HTTP throughput / in-process throughput per repeat (paired), and the same ratios of TTFT, TPOT and
+e2e p50. On a CPU the client process, uvicorn and the engine share the machine's cores, so the HTTP arm also pays
+for its client's CPU time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from phaseserve.bench import report as rp
+from phaseserve.bench.measure import aggregate, environment, paired, rotated
+from phaseserve.bench.schema import experiment_spec
+from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests, reset_engine, warmup
+from phaseserve.config_hydra import to_container
+from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.engine import Engine, Request
+from phaseserve.engine.metrics import percentiles
+
+ARMS = ["in-process", "http"]
+METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
+           "e2e.p95", "e2e.p99"]
+
+
+@dataclass
+class HttpLoadSpec:
+    name: str = "http_load"
+    repeats: int = 3
+    model_name: str = "phaseserve-default"
+    headline_concurrency: int = 32  # where the overhead goal (<= 10% of in-process throughput) is judged
+    timeout_s: float = 300.0  # one client run
+
+
+# ---- the client process -----------------------------------------------------------------------------------
+async def _one(client: Any, model: str, req: dict, sem: asyncio.Semaphore) -> dict:
+    async with sem:
+        sent = time.perf_counter()
+        stream = await client.completions.create(
+            model=model, prompt=req["prompt"], max_tokens=req["max_tokens"], temperature=req["temperature"],
+            seed=req["seed"], stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": req["ignore_eos"]})
+        first = last = None
+        tokens = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                first = first or now
+                last = now
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        end = time.perf_counter()
+    return {"sent": sent, "end": end, "tokens": tokens, "ttft": None if first is None else first - sent,
+            "tpot": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None, "e2e": end - sent}
+
+
+async def _client_run(base_url: str, model: str, reqs: list[dict], concurrency: int, timeout_s: float) -> dict:
+    import openai
+
+    sem = asyncio.Semaphore(concurrency)  # closed loop: a new request starts when one of `concurrency` ends
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=timeout_s) as client:
+        recs = await asyncio.gather(*(_one(client, model, r, sem) for r in reqs))
+    wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
+    out_tokens = sum(r["tokens"] for r in recs)
+    return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
+            **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
+
+
+def client_main(conn: Any, base_url: str, model: str, timeout_s: float) -> None:
+    """The client process: run each ``(requests, concurrency)`` job received on ``conn``; ``None`` ends it."""
+    while (job := conn.recv()) is not None:
+        try:
+            conn.send(asyncio.run(_client_run(base_url, model, job[0], job[1], timeout_s)))
+        except Exception as e:  # report, don't hang the parent
+            conn.send(RuntimeError(f"client run failed: {e!r}"))
+
+
+class Client:
+    """A spawned client process driving the server (see :func:`client_main`)."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=client_main, args=(child, base_url, model, timeout_s), daemon=True)
+        self.proc.start()
+
+    def run(self, reqs: list[Request], concurrency: int) -> dict:
+        self.conn.send(([{"prompt": list(r.prompt), "max_tokens": r.max_tokens, "temperature": r.temperature,
+                          "seed": r.seed, "ignore_eos": r.ignore_eos} for r in reqs], concurrency))
+        out = self.conn.recv()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(30)
+
+
+# ---- the experiment ---------------------------------------------------------------------------------------
+def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int) -> dict:
+    loop.run_exclusive(lambda _: reset_engine(engine, max_batch=c)).result()
+    return client.run(reqs, c)
+
+
+def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
+    from phaseserve.server import EngineBackend, EngineLoop, create_app
+    from phaseserve.server.launch import start_in_thread
+
+    spec, out_dir = experiment_spec(cfg, HttpLoadSpec), Path(out_dir)
+    env = environment()
+    engine = Engine.from_hydra(cfg)
+    concs = concurrencies(cfg.workload)
+    vocab = engine.cfg.vocab_size
+    t0 = time.perf_counter()
+    warmup(engine, cfg.workload, max(concs), vocab)
+    log(f"engine built and warmed up in {time.perf_counter() - t0:.1f}s ({engine.num_pages} pages)")
+    app = create_app(EngineBackend(engine), ByteTokenizer(), spec.model_name)
+    server, thread, base = start_in_thread(app)
+    loop: EngineLoop = app.state.loop
+    client = Client(base, spec.model_name, spec.timeout_s)
+    records = []
+    try:
+        for c in concs:
+            n = num_requests(cfg.workload, c)
+            warm = make_requests(cfg.workload, vocab, n, seed=c, tag=f"warm{c}")
+            _http_run(loop, client, engine, warm, c)  # untimed: the client, server and request paths warm
+            for rep in range(spec.repeats):
+                reqs = make_requests(cfg.workload, vocab, n, seed=1000 * (rep + 1) + c, tag=f"c{c}r{rep}")
+                for order, arm in enumerate(rotated(ARMS, rep + c)):
+                    if arm == "http":
+                        rec = _http_run(loop, client, engine, reqs, c)
+                    else:
+                        rec = loop.run_exclusive(lambda _, r=reqs, k=c: drive(engine, r, k, "closed")).result()
+                    rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
+                                               "tpot", "e2e")}
+                    rec.update(arm=arm, point=c, repeat=rep, order=order, load_1m=round(os.getloadavg()[0], 2))
+                    records.append(rec)
+                    log(f"concurrency {c} repeat {rep + 1}/{spec.repeats} {arm}: {rec['output_tok_per_s']:.1f} tok/s, "
+                        f"TTFT p50 {rec['ttft']['p50'] * 1e3:.0f} ms, TPOT p50 {rec['tpot']['p50'] * 1e3:.1f} ms")
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(30)
+    ratios = {m: paired(records, "http", "in-process", m) for m in ("output_tok_per_s", "ttft.p50", "tpot.p50",
+                                                                    "e2e.p50")}
+    results = {"experiment": "http_load", "environment": env,
+               "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
+                            "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
+                            "workload": to_container(cfg.workload), "repeats": spec.repeats},
+               "records": records, "aggregate": aggregate(records, METRICS), "ratio_http_over_in_process": ratios,
+               "headline_concurrency": spec.headline_concurrency}
+    rp.write_outputs(out_dir, cfg, results, markdown(results))
+    for line in headline(results):
+        log(line)
+    return results
+
+
+def headline(results: dict) -> list[str]:
+    c = results["headline_concurrency"]
+    r = results["ratio_http_over_in_process"]["output_tok_per_s"].get(c) or results[
+        "ratio_http_over_in_process"]["output_tok_per_s"].get(str(c))
+    if not r or r.get("median") is None:
+        return [f"no run at concurrency {c}: no headline"]
+    loss = 1 - r["median"]
+    verdict = "met" if r["median"] >= 0.9 else "NOT met"
+    return [f"HTTP throughput at concurrency {c}: {r['median']:.3f}x in-process (median of {r['n']} paired repeats, "
+            f"range {r['min']:.3f}..{r['max']:.3f}); overhead {loss * 100:.1f}% -- goal <= 10%: {verdict}"]
+
+
+def markdown(results: dict) -> str:
+    agg, ratios = results["aggregate"], results["ratio_http_over_in_process"]
+    points = sorted({rec["point"] for rec in results["records"]})
+    s = results["settings"]
+    rows = []
+    for c in points:
+        for arm in ARMS:
+            a = agg[arm][c]
+            rows.append([c, arm, rp.spread(a["output_tok_per_s"]),
+                         *(rp.spread({k: (v * 1e3 if isinstance(v, float) else v) for k, v in a[m].items()})
+                           for m in METRICS[1:])])
+    ratio_rows = [[c, *(rp.spread(ratios[m][c]) for m in ratios)] for c in points]
+    w = s["workload"]
+    return "\n\n".join([
+        "# HTTP server under load: the official openai client against the same engine in-process",
+        "\n".join(headline(results)),
+        f"Workload: prompts {w['prompt']}, outputs {w['output']}, closed loop, {w['waves']} waves per client; "
+        f"engine {s['engine']['mode']}, quant {s['quant']}, cache {s['cache']}. Medians over "
+        f"{s['repeats']} repeats [min, max]; times in ms. Client numbers are measured by an `AsyncOpenAI` client "
+        "in its own process (streamed completions); in-process numbers by the engine's own clock on the same "
+        "requests, run by the server's engine loop between HTTP runs.",
+        rp.markdown_table(["concurrency", "arm", "tok/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95",
+                           "TPOT p99", "e2e p50", "e2e p95", "e2e p99"], rows),
+        "## HTTP / in-process (paired per repeat; tok/s below 1 and times above 1 are the HTTP overhead)",
+        rp.markdown_table(["concurrency", *(f"{m} ratio" for m in ratios)], ratio_rows),
+        rp.environment_section(results["environment"]),
+    ])
