@@ -35,8 +35,9 @@ Conventions and defaults:
                         col 8j+7      col 8j+6 ...  col 8j+1  col 8j
 
 - ``weight_g_idx`` (GPTQ act-order "group"): ``g_idx[c]`` is the scale group of input column ``c``. The
-  trivial map ``c // G`` loads as INT4; any other map loads as the exact dequantization
-  ``(nibble - 8) * scale[:, g_idx]`` (f32) in the load dtype, since :class:`Int4Weight` groups are contiguous.
+  trivial map ``c // G`` loads as :class:`Int4Weight`; any other map with ``G`` columns per group loads as
+  :class:`~phaseserve.quant.actorder.ActOrderInt4Weight` (rows permuted into group order, the matmul gathers the
+  activations); groups of unequal size load as the exact dequantization ``(nibble - 8) * scale[:, g_idx]``.
 
 Refused (:class:`UnsupportedFormatError`, naming the scheme or tensor and the feature): asymmetric / zero-point
 INT4 (``weight_zero_point``), W8A16 (8-bit int weights), W4A8 / W8A8-int (quantized activations), static FP8

@@ -7,7 +7,8 @@ shapes and the strict check), in the layout the file stores it (table in :mod:`p
 - plain tensors -> arrays in ``dtype``;
 - FP8 (block, per-channel or per-tensor scales, f32/bf16/E8M0) -> :class:`Fp8Weight`, bytes untouched;
 - INT4 pack-quantized (group or channel) -> :class:`Int4Weight`, nibbles re-packed, scales transposed;
-- act-order INT4 (non-trivial ``weight_g_idx``) -> its exact dequantization, as a plain array in ``dtype``.
+- act-order INT4 (non-trivial ``weight_g_idx``) -> :class:`~phaseserve.quant.actorder.ActOrderInt4Weight` (rows
+  permuted into group order, the permutation kept; groups of unequal size: the exact dequantization in ``dtype``).
 
 Every other variant is refused with a :class:`~phaseserve.model.loader.CheckpointError` subclass naming the
 tensor (or scheme) and the feature. ``strict=True`` (default): a tensor no leaf consumed (a stray
@@ -28,11 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.fp8_matmul import Fp8Weight
-from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4
+from pallas_kernels.int4_matmul import Int4Weight
 from phaseserve.config import ModelConfig
 from phaseserve.model import loader as base
 from phaseserve.model.loader import MissingTensorError, ShapeMismatchError, TensorStore
 from phaseserve.model.params import ArrayInfo, Params
+from phaseserve.qarrays import dequantize
+from phaseserve.quant import actorder
+from phaseserve.quant.actorder import ActOrderInt4Weight, act_order_int4
 from phaseserve.quant.formats import (
     Scheme,
     UnsupportedFormatError,
@@ -42,6 +46,7 @@ from phaseserve.quant.formats import (
     fp8_scale_layout,
     int4_group,
     parse_scheme,
+    unpack_int32_nibbles,
 )
 from phaseserve.quant.policy import QuantPolicy
 
@@ -90,8 +95,9 @@ def _read_int4(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Sc
         if g_idx.shape != (in_f,) or g_idx.min() < 0 or g_idx.max() >= scale.shape[1]:
             raise ShapeMismatchError(f"tensor {n + '_g_idx'!r} must map {in_f} columns to groups "
                                      f"0..{scale.shape[1] - 1}")
-        if not np.array_equal(g_idx, np.arange(in_f) // group):
-            return ct_act_order(packed, scale, g_idx, in_f), used
+        if not np.array_equal(g_idx, np.arange(in_f) // group):  # act-order: INT4 over permuted rows
+            permuted = act_order_int4(unpack_int32_nibbles(packed, in_f), scale, g_idx, group)
+            return (permuted if permuted is not None else ct_act_order(packed, scale, g_idx, in_f)), used
     return ct_to_int4(packed, scale, hf_shape, group), used
 
 
@@ -112,12 +118,19 @@ def _read_fp8(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Sch
 def _stack(parts: list[Any], names: list[str]) -> Any:
     if len(parts) == 1:
         return parts[0]
-    if any(isinstance(p, np.ndarray) for p in parts):  # act-order experts: all as float
-        return np.stack([p if isinstance(p, np.ndarray) else np.asarray(dequantize_int4(p)) for p in parts])
-    statics = {(p.group_size, p.scale.dtype) if isinstance(p, Int4Weight) else p.block for p in parts}
+    if any(isinstance(p, np.ndarray) for p in parts):  # act-order experts with unequal groups: all as float
+        return np.stack([p if isinstance(p, np.ndarray) else np.asarray(dequantize(p, jnp.float32)) for p in parts])
+    if any(isinstance(p, ActOrderInt4Weight) for p in parts):  # some experts act-order: all with a permutation
+        parts = [p if isinstance(p, ActOrderInt4Weight) else actorder.identity(p) for p in parts]
+        inner = [p.w for p in parts]
+    else:
+        inner = parts
+    statics = {(p.group_size, p.scale.dtype) if isinstance(p, Int4Weight) else p.block for p in inner}
     if len(statics) > 1:
         raise UnsupportedFormatError(f"{names[0]} .. {names[-1]}: stacked experts use different quantization "
                                      f"layouts {sorted(map(str, statics))}")
+    if isinstance(parts[0], ActOrderInt4Weight):
+        return actorder.stack(parts)
     if isinstance(parts[0], Int4Weight):
         return Int4Weight(jnp.stack([p.packed for p in parts]), jnp.stack([p.scale for p in parts]),
                           parts[0].group_size)

@@ -14,6 +14,7 @@ import math
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,7 +29,8 @@ from phaseserve.model.loader import (
     SkippedTensorsWarning,
     UnexpectedTensorError,
 )
-from phaseserve.qarrays import Fp8Weight, Int4Weight, dequantize
+from phaseserve.qarrays import Fp8Weight, Int4Weight, dense, dequantize, grouped_dense
+from phaseserve.quant.actorder import ActOrderInt4Weight
 from phaseserve.quant.formats import UnsupportedFormatError
 from tests.unit.quant_writers import pack_int32, tiny_deepseek
 
@@ -86,10 +88,8 @@ def loaded(params, name: str) -> np.ndarray:
     """The loaded leaf of HF tensor ``name`` (``WO``, ``KV`` or a ``DOWN`` expert), dequantized, as f32 [out, in]."""
     if name in (WO, KV):
         leaf = params.layers[0].attn.wo if name == WO else params.layers[0].attn.wkv_a
-    else:
-        w, e = params.layers[1].mlp.w_down, int(name.split(".")[5])
-        leaf = Int4Weight(w.packed[e], w.scale[e], w.group_size) if isinstance(w, Int4Weight) else \
-            Fp8Weight(w.q[e], w.scale[e], w.block) if isinstance(w, Fp8Weight) else w[e]
+    else:  # one expert of the stacked leaf (a quantized weight is a pytree: slice every stored array)
+        leaf = jax.tree.map(lambda a: a[int(name.split(".")[5])], params.layers[1].mlp.w_down)
     return np.asarray(dequantize(leaf, jnp.float32)).T
 
 
@@ -204,12 +204,33 @@ def int4_tensors(t: dict, seed: int, g_idx: bool) -> dict[str, np.ndarray]:
 
 
 def test_act_order_g_idx_is_applied(base, tmp_path):
+    """GPTQ act-order: the rows are permuted into group order on load (nibbles and scales as stored), and the
+    matmuls gather the activations by the same permutation: weights, expert matmuls and logits match the direct
+    dequantization."""
     t = dict(base[1])
     want = int4_tensors(t, 80, g_idx=True)
     qcfg = ct_config({**INT4_G32, "actorder": "group"})
-    _, params = ps.load_checkpoint(write(base, tmp_path / "a", t, qcfg))
+    cfg, params = ps.load_checkpoint(write(base, tmp_path / "a", t, qcfg))
+    w = params.layers[1].mlp.w_down
+    assert isinstance(w, ActOrderInt4Weight) and w.w.group_size == 32 and w.w.scale.dtype == jnp.bfloat16
     for n in want:
         assert np.array_equal(loaded(params, n), want[n]), n
+    dense_w = np.stack([want[DOWN.format(e)].T for e in range(8)])  # f32[E, in, out]
+    x = jax.random.normal(jax.random.key(0), (12, 128), jnp.float32)
+    sizes = jnp.array([3, 0, 2, 1, 1, 2, 0, 3], jnp.int32)
+    ref = jax.lax.ragged_dot(x, jnp.asarray(dense_w), sizes, precision=jax.lax.Precision.HIGHEST)
+    close(grouped_dense(x, w, sizes), ref)
+    close(dense(x, jax.tree.map(lambda a: a[3], w)), x @ dense_w[3])
+    plain = params.replace(layers=[params.layers[0], params.layers[1].replace(
+        mlp=params.layers[1].mlp.replace(w_down=jnp.asarray(dense_w)))])
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    close(ps.forward(params, cfg, tokens), ps.forward(plain, cfg, tokens))
+
+
+def close(got, want) -> None:
+    """Equal up to float32 summation order: 1e-6 of the largest magnitude (a wrong row order is off by ~1e-1)."""
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 def test_sharded_int4_and_trivial_g_idx(base, tmp_path):
