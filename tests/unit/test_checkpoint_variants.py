@@ -233,6 +233,23 @@ def close(got, want) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
+def test_act_order_with_unequal_groups_loads_exact_values(base, tmp_path):
+    """A g_idx whose groups do not all hold G columns cannot be permuted into contiguous groups: the experts load
+    as their exact dequantization."""
+    t = dict(base[1])
+    want = int4_tensors(t, 85, g_idx=True)
+    n = DOWN.format(2)
+    gi = t[n + "_g_idx"].clone()
+    gi[gi == 1] = 0  # group 0 now holds 64 columns, group 1 none
+    t[n + "_g_idx"] = gi
+    q = torch.stack([(t[n + "_packed"] >> (4 * i)) & 0xF for i in range(8)], -1).reshape(128, 128).float() - 8
+    want[n] = (q * t[n + "_scale"].float()[:, gi.long()]).numpy()
+    _, params = ps.load_checkpoint(write(base, tmp_path / "u", t, ct_config({**INT4_G32, "actorder": "group"})))
+    assert params.layers[1].mlp.w_down.dtype == jnp.float32
+    for n in want:
+        assert np.array_equal(loaded(params, n), want[n]), n
+
+
 def test_sharded_int4_and_trivial_g_idx(base, tmp_path):
     t = dict(base[1])
     want = int4_tensors(t, 90, g_idx=False)
