@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from pallas_kernels import fp8_matmul, int4_matmul, mla_attention, paged_attention
+from pallas_kernels import flash_prefill, fp8_matmul, int4_matmul, mla_attention, paged_attention
 
 PLATFORMS = {"tpu": "tpu", "cuda": "gpu"}  # export platform -> kernel target
 EXPECTED_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
@@ -116,6 +116,21 @@ def _fp8(m: int, k: int, n: int, block, act_quant: bool, experts: int = 0) -> Ca
                 ("cuda",) if act_quant else ("tpu", "cuda"))
 
 
+def _prefill(dtype, t: int, heads: int, kv_heads: int, dk: int, dv: int) -> Case:
+    b = 2
+    args = (_a((b, t, heads, dk), dtype), _a((b, t, kv_heads, dk), dtype), _a((b, t, kv_heads, dv), dtype),
+            _a((b, t), jnp.int32), _a((b,), jnp.int32))
+
+    def build(target):
+        def f(q, k, v, pos, lens):
+            return flash_prefill.flash_prefill(q, k, v, pos, lens, sm_scale=0.0722, impl="pallas", interpret=False,
+                                               target=target)
+        return f
+
+    form = "mla" if dk != dv else f"gqa{heads // kv_heads}"
+    return Case(f"flash_prefill {jnp.dtype(dtype).name} {form} T{t} H{heads} dk{dk} dv{dv}", build, args)
+
+
 def cases() -> list[Case]:
     """The shapes every kernel must lower at (Kimi K2 / GLM-class decode and prefill)."""
     return [
@@ -129,6 +144,8 @@ def cases() -> list[Case]:
         # GLM-5 routed experts under 8-way EP (32 local of 256, hidden 6144, moe 2048): decode and prefill rows
         _fp8(64, 6144, 2048, (128, 128), False, experts=32), _fp8(64, 2048, 6144, None, False, experts=32),
         _fp8(4096, 6144, 2048, (128, 128), True, experts=32),
+        _prefill(jnp.bfloat16, 4096, 64, 64, 192, 128), _prefill(jnp.bfloat16, 2000, 32, 4, 128, 128),
+        _prefill(jnp.float32, 1024, 8, 8, 192, 128),
     ]
 
 

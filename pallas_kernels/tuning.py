@@ -155,3 +155,25 @@ def fp8_vmem_bytes(blocks: MatmulBlocks, k: int, x_itemsize: int) -> int:
     """TPU VMEM of the FP8 kernel: double-buffered x rows and weight columns over all of K, out, f32 temporaries."""
     return (2 * blocks.bm * k * x_itemsize + 2 * k * blocks.bn + 2 * blocks.bm * blocks.bn * x_itemsize
             + 2 * blocks.bk * blocks.bn * 4 + blocks.bm * blocks.bn * 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBlocks:
+    block_q: int  # query rows per program (GPU/TPU) or per lax.map step (reference)
+    block_k: int  # keys per inner step; a key block no query of a query block can see is skipped
+    num_warps: int = 4  # Triton only
+
+
+def prefill_blocks(target: str, t: int, s: int) -> PrefillBlocks:
+    """Flash-prefill tiles for T queries over S keys.
+
+    reference (XLA on the CPU): 512 x 512 keeps the per-step logits at 1 MiB per head while the loop overhead
+    stays small; short sequences use one block. GPU: 64 x 64 (f32 accumulators of 64 x head_dim per program fit
+    the register file at head_dim 192 / 256 with 4 warps). TPU: 256 x 512 ((8, 128)-aligned, VMEM per step
+    ~ (bq + 2 * bk) * d * 2 double buffers + bq * bk * 4 f32 logits ~ 3 MiB at d = 192, far under the limit).
+    """
+    if target == "reference":
+        return PrefillBlocks(min(512, t), min(512, s))
+    if target == "gpu":
+        return PrefillBlocks(min(64, max(16, next_pow2(t))), min(64, max(16, next_pow2(s))))
+    return PrefillBlocks(min(256, cdiv(t, 8) * 8), min(512, cdiv(s, 128) * 128))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 
 from phaseserve.config import ModelConfig
-from phaseserve.model.layers import apply_rope, attention, causal_mask, rms_norm, rope_cos_sin, softmax_scale
+from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import GQAParams
 from phaseserve.qarrays import dense
 
@@ -37,7 +37,7 @@ def output(p: GQAParams, x: jax.Array) -> jax.Array:
 def forward(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None):
     """Causal self-attention over the whole sequence. Returns (out [B, T, D], (k, v) to cache)."""
     q, k, v = project_qkv(p, cfg, x, positions)
-    out = attention(q, k, v, causal_mask(positions, x.shape[1], lengths), softmax_scale(cfg))
+    out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
     return output(p, out), (k, v)
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from phaseserve.config import ModelConfig, SequenceTooLongError
-from phaseserve.model.layers import apply_rope, attention, causal_mask, rms_norm, rope_cos_sin, softmax_scale
+from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import MLAParams
 from phaseserve.qarrays import dense, dequantize
 
@@ -79,7 +79,7 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
-    out = attention(q, k, v, causal_mask(positions, x.shape[1], lengths), softmax_scale(cfg))
+    out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
     return output(p, out), lat
 
 

@@ -1,5 +1,6 @@
 """Basic layers: RMSNorm, rotary embeddings (default, YaRN, Llama-3, linear; partial and interleaved),
-the SwiGLU MLP and dense causal attention. Pure functions of (params, config, arrays).
+the SwiGLU MLP and causal prefill attention (``pallas_kernels.flash_prefill``: memory linear in T).
+Pure functions of (params, config, arrays).
 
 Numerics follow Hugging Face transformers: norms are computed in float32 and cast back before the
 weight multiply; softmax runs in float32; RoPE cos/sin are computed in float32 and cast to the
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.flash_prefill import flash_prefill
 from phaseserve.config import ModelConfig, RopeConfig
 from phaseserve.model.params import MLPParams
 from phaseserve.qarrays import dense
@@ -112,23 +114,12 @@ def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     return dense(jax.nn.silu(dense(x, p.w_gate)) * dense(x, p.w_up), p.w_down)
 
 
-def causal_mask(q_positions: jax.Array, kv_len: int, lengths: jax.Array | None) -> jax.Array:
-    """bool[B, T, S]: key s is visible to the query at position p when s <= p (and s < length)."""
-    s = jnp.arange(kv_len)
-    mask = s[None, None, :] <= q_positions[:, :, None]
-    if lengths is not None:
-        mask = mask & (s[None, None, :] < lengths[:, None, None])
-    return mask
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, lengths: jax.Array | None,
+              scale: float) -> jax.Array:
+    """Causal attention with memory linear in T (flash prefill; the blockwise XLA reference on the CPU).
 
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Dense attention. q [B, T, H, dk], k [B, S, KV, dk], v [B, S, KV, dv], mask bool[B, T, S] -> [B, T, H, dv]."""
-    b, t, h, dk = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, dk)
-    logits = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(mask[:, None, None], probs, 0.0)  # fully masked rows (padding) give zeros, not NaN
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
+    q [B, T, H, dk], k [B, S, KV, dk], v [B, S, KV, dv], q_positions i32[B, T], lengths i32[B] | None -> [B, T, H, dv].
+    Key s is visible to the query at position p when s <= p and s < lengths[b]; a query that sees no key
+    (padding) gives zeros. GQA when KV < H; MLA's expanded form is KV == H with dk != dv.
+    """
+    return flash_prefill(q, k, v, q_positions, lengths, sm_scale=scale)
