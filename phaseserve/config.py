@@ -185,6 +185,18 @@ class ModelConfig:
         per_layer = self.kv_cache_width if self.is_mla else 2 * self.num_kv_heads * self.head_dim
         return per_layer * self.num_layers
 
+    @property
+    def context_length(self) -> int:
+        """Positions the model can attend over: ``max_position_embeddings``, or ``factor x
+        original_max_position_embeddings`` where a RoPE scaling (yarn / linear / llama3) extends the original context
+        further (e.g. a Qwen3 config with ``rope_scaling`` added); GLM-5's DSA indexer is not implemented, so its
+        attention is exact only up to ``index_topk`` keys."""
+        n = self.max_position_embeddings
+        r = self.rope
+        if r.kind != "default" and r.original_max_position_embeddings and r.factor > 1:
+            n = max(n, int(r.factor * r.original_max_position_embeddings))
+        return min(n, self.index_topk) if self.index_topk is not None else n
+
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
@@ -230,6 +242,7 @@ def _positive_int(name: str, v: Any, lo: int = 1) -> None:
            f"{name} must be an integer >= {lo}, got {v!r}")
 
 
+DEFAULT_MAX_PAGES_PER_SEQ = 64  # per-request page cap when neither it nor ServeConfig.max_context is given
 DEFAULT_CPU_KV_BYTES = 64 * 2**20  # KV budget when neither num_pages nor kv_budget_bytes is set and there is no
 # accelerator memory to take a fraction of (CPU): a fixed, modest 64 MiB
 
@@ -241,7 +254,8 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # explicit page count (including the reserved null page) ...
     kv_budget_bytes: int | None = None  # ... or a byte budget turned into pages for the chosen KV dtype
-    max_pages_per_seq: int = 64
+    max_pages_per_seq: int | None = None  # pages one request may hold; None: enough for ServeConfig.max_context
+    # (DEFAULT_MAX_PAGES_PER_SEQ when that is None too)
     integrity: bool = True  # page-tag check before every decode step
     admission: str = "reserve"  # "reserve" (prompt + max_tokens at admission) | "on_demand" (grow, preempt)
     preemption: str = "recompute"  # on_demand victims: "recompute" (re-prefill) | "swap" (pages to host and back)
@@ -254,7 +268,8 @@ class CacheConfig:
             _positive_int("CacheConfig.num_pages", self.num_pages, 2)  # page 0 is the reserved null page
         if self.kv_budget_bytes is not None:
             _positive_int("CacheConfig.kv_budget_bytes", self.kv_budget_bytes)
-        _positive_int("CacheConfig.max_pages_per_seq", self.max_pages_per_seq)
+        if self.max_pages_per_seq is not None:
+            _positive_int("CacheConfig.max_pages_per_seq", self.max_pages_per_seq)
         _check(isinstance(self.integrity, bool), f"CacheConfig.integrity must be a bool, got {self.integrity!r}")
         _check(self.admission in ("reserve", "on_demand"),
                f"CacheConfig.admission must be 'reserve' or 'on_demand', got {self.admission!r}")
@@ -297,7 +312,7 @@ class ServeConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     max_batch: int = 32  # concurrency cap (decode rows)
     max_prefill_tokens: int = 2048  # tokens per prefill batch
-    max_context: int | None = None  # defaults to the model's max_position_embeddings
+    max_context: int | None = None  # prompt + output tokens; None: the model's context_length (within the budget)
     seed: int = 0
 
     def __post_init__(self):
@@ -309,6 +324,15 @@ class ServeConfig:
         _positive_int("ServeConfig.max_prefill_tokens", self.max_prefill_tokens)
         if self.max_context is not None:
             _positive_int("ServeConfig.max_context", self.max_context, 2)
+        c = self.cache
+        if c.max_pages_per_seq is None:  # the page cap follows the context asked for, not a small fixed default
+            pages = DEFAULT_MAX_PAGES_PER_SEQ if self.max_context is None else -(-self.max_context // c.page_size)
+            object.__setattr__(self, "cache", dataclasses.replace(c, max_pages_per_seq=pages))
+        elif self.max_context is not None:
+            _check(self.max_context <= c.max_pages_per_seq * c.page_size,
+                   f"ServeConfig.max_context={self.max_context} needs {-(-self.max_context // c.page_size)} pages per "
+                   f"request but CacheConfig.max_pages_per_seq={c.max_pages_per_seq} x page_size={c.page_size} holds "
+                   f"{c.max_pages_per_seq * c.page_size} tokens (leave max_pages_per_seq unset to derive it)")
         _positive_int("ServeConfig.seed", self.seed, 0)
         for name in ("prefill_tp", "decode_tp", "decode_ep"):
             if hasattr(self.mesh, name):

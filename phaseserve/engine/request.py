@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from phaseserve.config import ConfigError
+
 
 class RequestError(ValueError):
     """Base class of every error that ends a single request."""
@@ -132,9 +134,19 @@ class Limits:
         """The limits of a ``ModelConfig`` + ``ServeConfig`` deployment whose decode pool has ``num_pages`` pages
         (None: unknown here, only ``max_pages_per_seq`` bounds a request)."""
         c = serve.cache
-        max_context = min(serve.max_context or cfg.max_position_embeddings, c.max_pages_per_seq * c.page_size)
         max_pages = c.max_pages_per_seq if num_pages is None else min(num_pages - 1, c.max_pages_per_seq)
-        return cls(cfg.vocab_size, max_context, c.page_size, max_pages, staging_pages)
+        budget = max_pages * c.page_size  # tokens one request can ever hold (page cap and pool)
+        if serve.max_context is None:  # the model's context, within the budget
+            return cls(cfg.vocab_size, min(cfg.context_length, budget), c.page_size, max_pages, staging_pages)
+        if serve.max_context > cfg.context_length:
+            raise ConfigError(f"ServeConfig.max_context={serve.max_context} exceeds the model's context of "
+                              f"{cfg.context_length} tokens (max_position_embeddings={cfg.max_position_embeddings}, "
+                              f"rope {cfg.rope.kind!r} x{cfg.rope.factor}, index_topk={cfg.index_topk})")
+        if serve.max_context > budget:
+            raise ConfigError(f"ServeConfig.max_context={serve.max_context} exceeds what one request can hold: "
+                              f"{max_pages} pages x {c.page_size} = {budget} tokens (CacheConfig.max_pages_per_seq="
+                              f"{c.max_pages_per_seq}, pool of {num_pages} pages incl. the null page)")
+        return cls(cfg.vocab_size, serve.max_context, c.page_size, max_pages, staging_pages)
 
 
 def pages_ever(prompt_len: int, max_tokens: int, page_size: int) -> int:
