@@ -25,9 +25,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import resolve_impl
 from pallas_kernels.mla_attention import mla_decode_attention
 from pallas_kernels.paged_attention import paged_decode_attention
-from phaseserve.cache.paged import GQAPages, MLAPages, write_token_layer
+from phaseserve.cache.paged import GQAPages, MLAPages, take_pages, write_token_layer
 
 
 class PagedAttend:
@@ -45,8 +46,9 @@ class PagedAttend:
         impl: str = "auto",
     ):
         if tracker is not None:
-            page_table = tracker.mask_table(page_table, ok)
-            active = tracker.mask_rows(active, ok)
+            with jax.named_scope("integrity"):
+                page_table = tracker.mask_table(page_table, ok)
+                active = tracker.mask_rows(active, ok)
         self.page_table, self.positions, self.write = page_table, positions, active
         self.lengths = jnp.where(active, positions + 1, 0)  # i32[B]
         self.tracker, self.sm_scale, self.impl = tracker, sm_scale, impl
@@ -54,14 +56,30 @@ class PagedAttend:
 
     def __call__(self, pages: GQAPages | MLAPages, q: Any, kv: Any) -> tuple[GQAPages | MLAPages, jax.Array]:
         pt, lengths = self.page_table, self.lengths
-        pages = write_token_layer(pages, kv, pt, self.positions, self.write)
-        if isinstance(pages, MLAPages):
-            q_latent, q_rope = q
-            o = mla_decode_attention(q_latent, q_rope, pages.latent, pt, lengths, scales=pages.scale,
-                                     sm_scale=self.sm_scale, impl=self.impl)
-        else:
-            o = paged_decode_attention(q, pages.k, pages.v, pt, lengths, k_scales=pages.k_scale,
-                                       v_scales=pages.v_scale, sm_scale=self.sm_scale, impl=self.impl)
+        with jax.named_scope("page_write"):
+            pages = write_token_layer(pages, kv, pt, self.positions, self.write)
+        with jax.named_scope("attention"):
+            read = pages
+            if resolve_impl(self.impl) == "reference":  # see rows_view
+                read, pt = rows_view(pages, pt)
+            if isinstance(pages, MLAPages):
+                q_latent, q_rope = q
+                o = mla_decode_attention(q_latent, q_rope, read.latent, pt, lengths, scales=read.scale,
+                                         sm_scale=self.sm_scale, impl=self.impl)
+            else:
+                o = paged_decode_attention(q, read.k, read.v, pt, lengths, k_scales=read.k_scale,
+                                           v_scales=read.v_scale, sm_scale=self.sm_scale, impl=self.impl)
         if self.tracker is not None:
-            o, self.finite = self.tracker.guard(o, self.finite)
+            with jax.named_scope("integrity"):
+                o, self.finite = self.tracker.guard(o, self.finite)
         return pages, o
+
+
+def rows_view(pages: GQAPages | MLAPages, page_table: jax.Array) -> tuple[GQAPages | MLAPages, jax.Array]:
+    """The batch's own pages, gathered on their raw bits, and the identity table over them: ``[B*P, S, ...]`` per
+    array and i32[B, P]. The reference attention gathers ``pages[page_table]``, which XLA:CPU does for FP8 by
+    converting the *whole* pool to f16 first; gathering the rows' pages here keeps the step's cost in the pages the
+    batch reads, not in the pool's size. page_table i32[B, P] (entries clipped into range, as the kernels do)."""
+    b, p = page_table.shape
+    view = jax.tree.map(lambda a: take_pages(a, page_table).reshape(b * p, *a.shape[1:]), pages)
+    return view, jnp.arange(b * p, dtype=jnp.int32).reshape(b, p)

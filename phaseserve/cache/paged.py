@@ -149,6 +149,28 @@ def slot_indices(page_table: jax.Array, positions: jax.Array, valid: jax.Array, 
     return jnp.where(ok, page * page_size + positions % page_size, num_pages * page_size)
 
 
+def _scatter_bits(data: jax.Array, flat: jax.Array, values: jax.Array) -> jax.Array:
+    """``data.at[flat].set(values, mode="drop")`` on the raw bits for sub-32-bit storage: XLA:CPU has no FP8 (or
+    BF16) scatter and would convert the *whole* pool to f16 and back every step; an unsigned-integer scatter of the
+    same width writes in place. data [M, ...], flat i32[n], values [n, ...] in data's dtype."""
+    if data.dtype.itemsize >= 4:
+        return data.at[flat].set(values, mode="drop")
+    bits = jnp.dtype(f"uint{8 * data.dtype.itemsize}")
+    raw = jax.lax.bitcast_convert_type(data, bits).at[flat].set(jax.lax.bitcast_convert_type(values, bits),
+                                                                mode="drop")
+    return jax.lax.bitcast_convert_type(raw, data.dtype)
+
+
+def take_pages(data: jax.Array, page_table: jax.Array) -> jax.Array:
+    """``data[clip(page_table)]`` gathered on the raw bits for sub-32-bit storage (no whole-pool conversion on
+    XLA:CPU, see :func:`_scatter_bits`): data [N, S, ...], page_table i32[B, P] -> [B, P, S, ...]."""
+    pt = jnp.clip(page_table, 0, data.shape[0] - 1)
+    if data.dtype.itemsize >= 4:
+        return data[pt]
+    bits = jnp.dtype(f"uint{8 * data.dtype.itemsize}")
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(data, bits)[pt], data.dtype)
+
+
 def write_prequantized(layer: GQAPages | MLAPages, parts: list[tuple[jax.Array, jax.Array | None]],
                        page_table: jax.Array, positions: jax.Array, valid: jax.Array) -> GQAPages | MLAPages:
     """Scatter tokens already in the storage dtype into one layer's pages (no re-quantization).
@@ -163,8 +185,8 @@ def write_prequantized(layer: GQAPages | MLAPages, parts: list[tuple[jax.Array, 
     out = []
     for (data, scale), (q, sc) in zip(_pairs(layer), parts, strict=True):
         tail = data.shape[2:]
-        data = data.reshape(n * s, *tail).at[flat].set(q.reshape(-1, *tail).astype(data.dtype), mode="drop"
-                                                      ).reshape(data.shape)
+        data = _scatter_bits(data.reshape(n * s, *tail), flat, q.reshape(-1, *tail).astype(data.dtype)
+                             ).reshape(data.shape)
         if scale is not None:
             scale = scale.reshape(n * s, *tail[:-1]).at[flat].set(sc.reshape(-1, *tail[:-1]), mode="drop")
             scale = scale.reshape(data.shape[:-1])

@@ -59,5 +59,6 @@ def decode_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeB
                 tracker: Any = None, attn_impl: str = "auto") -> tuple[jax.Array, PagePool, Any]:
     """One decode step for the batch. ``ok`` bool[B] from the tracker's check (None when disabled)."""
     logits, pool, finite = decode_logits(params, cfg, pool, batch, ok, tracker=tracker, attn_impl=attn_impl)
-    nxt = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
+    with jax.named_scope("sampling"):
+        nxt = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
     return nxt, pool, finite

@@ -2,6 +2,8 @@
 
 Each row carries its own parameters (arrays of shape [B]) and its own PRNG key derived from
 ``(request seed, token index)``, so a request's samples do not depend on which other requests share its batch.
+When every row is greedy (``temperature == 0``) the step runs only the argmax: the sort, the top-k/top-p masks and
+the draws sit behind a ``lax.cond`` that is not taken.
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     """logits f32[B, V]; temperature f32[B] (0 = greedy); top_k i32[B] (0 = off); top_p f32[B];
     seeds u32[B]; steps i32[B] (index of the token being sampled) -> i32[B]."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(temperature > 0),
+                        lambda: jnp.where(temperature > 0, _draw(logits, temperature, top_k, top_p, seeds, steps),
+                                          greedy),
+                        lambda: greedy)
+
+
+def _draw(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
+          steps: jax.Array) -> jax.Array:
+    """Temperature / top-k / top-p draw for every row (greedy rows are replaced by the caller) -> i32[B]."""
     v = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = logits / t
@@ -29,5 +40,4 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     cutoff = jnp.take_along_axis(sorted_logits, jnp.minimum(cutoff_idx, v - 1)[:, None], axis=-1)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)

@@ -8,13 +8,17 @@ Routing (``route``):
   top-2 sums), weights are the un-biased scores, optionally renormalised, times ``routed_scaling_factor``.
 
 Dispatch (how the routed tokens reach their experts), one function per strategy, each
-``(p, cfg, x [N, D], weights f32[N, k], idx i32[N, k]) -> (out [N, D], dropped fraction f32[])``:
+``(p, cfg, x [N, D], weights f32[N, k], idx i32[N, k]) -> (out [N, D], dropped fraction f32[])``;
+:func:`auto_experts` (serving, the default) picks one of the exact ones by token count and backend
+(:func:`choose_dispatch`):
 
-- :func:`ragged_experts` (serving, the default): the N*k (token, expert) assignments are sorted by expert and run
-  through one ragged (grouped) matmul per projection (``qarrays.grouped_dense``, i.e. ``jax.lax.ragged_dot`` or
-  the INT4 grouped kernel), then scattered back weighted; exact.
-- :func:`dense_experts`: every expert on every token, combined with the routing weights; exact, and fast to
-  train on a CPU where ``ragged_dot`` is slow.
+- :func:`ragged_experts` (accelerators; large batches on the CPU): the N*k (token, expert) assignments are sorted
+  by expert and run through one ragged (grouped) matmul per projection (``qarrays.grouped_dense``, i.e.
+  ``jax.lax.ragged_dot`` or the INT4 grouped kernel), then scattered back weighted; exact.
+- :func:`gathered_experts` (few tokens per expert on the CPU): each assignment gathers its expert's weights for a
+  batched dense matmul; exact.
+- :func:`dense_experts`: every expert on every token, combined with the routing weights; exact, and fast on a CPU
+  where ``ragged_dot`` is slow (training; moderate decode batches).
 - :func:`capacity_experts` (training): each expert takes at most ``ceil(factor * N * k / E)`` assignments into a
   fixed [E, C, D] buffer for one batched matmul; the overflow is dropped.
 
@@ -77,6 +81,22 @@ def ragged_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Ar
     return jax.ops.segment_sum(ys, token, num_segments=n).astype(x.dtype), jnp.float32(0)
 
 
+def gathered_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Few tokens per expert (decode): each (token, expert) assignment gathers its expert's weights (quantized
+    leaves gathered first, then expanded) for one batched dense matmul per projection; exact.
+    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)  # [N*k]
+    w_gate, w_up, w_down = (dequantize(jax.tree.map(lambda a: a[flat], w), x.dtype)  # [N*k, D, F] / [N*k, F, D]
+                            for w in (p.w_gate, p.w_up, p.w_down))
+    xs = jnp.repeat(x, k, axis=0)  # [N*k, D]
+    mm = dict(preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(jnp.einsum("md,mdf->mf", xs, w_gate, **mm)) * jnp.einsum("md,mdf->mf", xs, w_up, **mm))
+    y = jnp.einsum("mf,mfd->md", h.astype(x.dtype), w_down, **mm).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype), jnp.float32(0)
+
+
 def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
                   ) -> tuple[jax.Array, jax.Array]:
     """All experts on all tokens, combined with the routing weights. x [N, D], weights f32[N, k], idx i32[N, k]
@@ -119,14 +139,40 @@ def capacity_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.
 Dispatch = Callable[[MoEParams, ModelConfig, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = ragged_experts,
+def choose_dispatch(num_tokens: int, cfg: ModelConfig, backend: str | None = None) -> Dispatch:
+    """The exact dispatch for ``num_tokens`` routed tokens on ``backend`` (default: JAX's).
+
+    Accelerators: :func:`ragged_experts` (the grouped kernels: ``ragged_dot``, the INT4 grouped kernel). XLA:CPU,
+    where ``ragged_dot`` copies every expert's weights and runs slowly at decode shapes: :func:`gathered_experts`
+    while the assignments are at most half the experts (it reads only the chosen experts' weights),
+    :func:`dense_experts` up to 16 assignments per expert (every expert's weights read once), ragged beyond.
+    Thresholds from ``benchmarks/engine/profile`` (MoE layer ms on the ~15M shape, 16 experts top-2)."""
+    if (backend or jax.default_backend()) != "cpu":
+        return ragged_experts
+    assignments = num_tokens * cfg.num_experts_per_tok
+    if 2 * assignments <= cfg.num_experts:
+        return gathered_experts
+    if assignments <= 16 * cfg.num_experts:
+        return dense_experts
+    return ragged_experts
+
+
+def auto_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The dispatch :func:`choose_dispatch` picks for x's token count (static at trace time); the default.
+    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
+    return choose_dispatch(x.shape[0], cfg)(p, cfg, x, weights, idx)
+
+
+def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = auto_experts,
         ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [..., D] -> (routed plus shared experts [..., D], {"load": f32[E] (fractions of the assignments),
     "dropped": f32[] (fraction of assignments the dispatch dropped)})."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
-    w, idx = route(p, cfg, xf)
-    out, dropped = dispatch(p, cfg, xf, w, idx)
+    with jax.named_scope("moe_dispatch"):
+        w, idx = route(p, cfg, xf)
+        out, dropped = dispatch(p, cfg, xf, w, idx)
     if p.shared is not None:
         out = out + mlp(p.shared, xf)
     load = jnp.bincount(idx.reshape(-1), length=cfg.num_experts) / idx.size

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from phaseserve.config import ModelConfig
 from phaseserve.model import attention_gqa, attention_mla
 from phaseserve.model.layers import mlp, rms_norm
-from phaseserve.model.moe import Dispatch, moe, ragged_experts
+from phaseserve.model.moe import Dispatch, auto_experts, moe
 from phaseserve.model.params import LayerParams, MLPParams, Params
 from phaseserve.qarrays import dense
 
@@ -30,7 +30,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params.embed, tokens, axis=0)
 
 
-def ffn(layer: LayerParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = ragged_experts,
+def ffn(layer: LayerParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = auto_experts,
         ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
     """The MLP half of a layer (dense SwiGLU or MoE), residual included: x [..., D] -> (x', MoE stats or None)."""
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
@@ -80,7 +80,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Ar
     lm head runs once per row). Per-layer KV: ``(k, v)`` each [B, T, KV, hd] for GQA, or the latent
     [B, T, kv_lora + rope] for MLA.
     """
-    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, ragged_experts)
+    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, auto_experts)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, cfg, x), kvs
@@ -91,7 +91,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     return prefill(params, cfg, tokens)[0]
 
 
-def forward_with_moe_stats(params: Params, cfg: ModelConfig, tokens: jax.Array, dispatch: Dispatch = ragged_experts,
+def forward_with_moe_stats(params: Params, cfg: ModelConfig, tokens: jax.Array, dispatch: Dispatch = auto_experts,
                            ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """:func:`forward` with the MoE layers dispatching through ``dispatch`` (see ``model.moe``): tokens i32[B, T]
     -> (logits f32[B, T, V], {"load": f32[num_moe_layers, E], "dropped": f32[num_moe_layers]})."""

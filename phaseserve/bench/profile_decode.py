@@ -1,0 +1,265 @@
+"""Where the engine's decode step spends its time: a per-op profile from XLA's own trace, grouped by component.
+
+The engine's compiled decode step (``engine.decode.decode_step`` with the integrity hooks, pool donated, as
+``engine.workers.DecodeWorker`` builds it) and the tracker's separate jitted tag check are run under
+``jax.profiler``; every executed XLA op (a thunk of the CPU runtime, or a fused kernel) is attributed to a component
+by the name scope its HLO instruction carries (``jax.named_scope`` in ``cache.attend``, ``model.moe`` and
+``engine.decode``):
+
+==================  ============================================================================================
+component           ops
+==================  ============================================================================================
+attention           scope ``attention`` (the paged attention kernel or its reference)
+MoE dispatch        scope ``moe_dispatch`` (routing and the routed experts; the shared expert is a dense projection)
+dense projections   other dot products (q/kv/o projections, absorbed MLA products, dense MLP, shared expert, lm head)
+sampling            scope ``sampling``
+page writes         scope ``page_write`` (the new token's KV scattered into the pool)
+integrity           scope ``integrity`` in the step (masks, finite guard) plus the separate tag-check launch
+rest                every other op (norms, rope, embeddings, residuals, copies)
+==================  ============================================================================================
+
+An op without a component scope (a relayout copy of a weight, say) is counted with the component of its users.
+Component times are op time summed over XLA's worker threads (ops of one step run on several threads at once, so
+they can add up to more than the step's wall time, which is reported beside them). Each row: a model, a batch
+size, a fixed real context (``context`` tokens per row), a pool of ``pool_factor`` x the pages the batch needs
+(plus the null page). Times are medians over ``steps`` profiled steps, in ms per step.
+:func:`pool_growth` times the step at a pool 1x and 100x the batch's pages at the same context (interleaved).
+
+    python -m phaseserve.bench.profile_decode --out benchmarks/engine/profile_before
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from omegaconf import OmegaConf
+
+from phaseserve.bench.measure import environment
+from phaseserve.cache.integrity import IntegrityTracker, check_tags
+from phaseserve.cache.paged import init_pool
+from phaseserve.config import ModelConfig
+from phaseserve.config_hydra import repo_path
+from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.markdown import fmt
+from phaseserve.model.params import init_params, param_count
+
+MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml"}
+COMPONENTS = ["attention", "MoE dispatch", "dense projections", "sampling", "page writes", "integrity", "rest"]
+SCOPES = {"attention": "attention", "moe_dispatch": "MoE dispatch", "sampling": "sampling",
+          "page_write": "page writes", "integrity": "integrity"}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def model_config(name: str) -> ModelConfig:
+    """The model shape of ``MODELS[name]`` (a Hydra model config's ``hf`` block)."""
+    return ModelConfig.from_hf_config(OmegaConf.to_container(OmegaConf.load(repo_path(MODELS[name])).hf))
+
+
+def classify_hlo(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> component (see the module table), from its op_name metadata and opcode. An
+    instruction without a component scope (e.g. a relayout copy of a weight) takes the scope of its users."""
+    out, scoped, unscoped = {}, {}, {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        op = _OP_NAME.search(rest)
+        scopes = op.group(1).split("/") if op else []
+        comp = next((SCOPES[s] for s in scopes if s in SCOPES), None)
+        if comp is not None:
+            scoped[name] = (comp, rest)
+        else:
+            is_dot = " dot(" in rest or "convolution(" in rest or bool(op and op.group(1).endswith("dot_general"))
+            unscoped[name] = ("dense projections" if is_dot else "rest", rest)
+    used_by: dict[str, set[str]] = defaultdict(set)
+    for name, (comp, rest) in scoped.items():
+        out[name] = comp
+        for operand in _OPERAND.findall(rest):
+            used_by[operand].add(comp)
+    for name, (comp, _) in unscoped.items():
+        users = used_by.get(name, set())
+        out[name] = next(iter(users)) if len(users) == 1 else comp
+    return out
+
+
+def _op_times(trace_dir: str) -> dict[str, float]:
+    """Total ns per executed op name over the XLA worker threads of one trace."""
+    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+    data = jax.profiler.ProfileData.from_file(path)
+    totals: dict[str, float] = defaultdict(float)
+    for plane in data.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_XLA"):
+                continue
+            for ev in line.events:
+                if ev.duration_ns > 0 and not ev.name.startswith(("Threadpool", "ThunkExecutor", "end:")):
+                    totals[ev.name] += ev.duration_ns
+    return totals
+
+
+def setup(cfg: ModelConfig, batch: int, *, context: int = 160, page_size: int = 16, pool_factor: int = 1,
+          kv_dtype: str = "float32", seed: int = 0) -> dict[str, Any]:
+    """Params, a random-filled pool and one decode batch whose rows each hold ``context`` cached tokens."""
+    key = jax.random.key(seed)
+    params = init_params(cfg, key, "float32")
+    per_row = -(-(context + 1) // page_size)
+    num_pages = 1 + batch * per_row * pool_factor
+    pool = init_pool(cfg, num_pages, page_size, kv_dtype)
+    leaves, tree = jax.tree.flatten(pool)
+    keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+    leaves = [(jax.random.normal(k, x.shape) * 0.5 + (1.0 if x.ndim <= 3 and kv_dtype.startswith("float8") else 0.0)
+               ).astype(x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    pool = jax.tree.unflatten(tree, leaves)
+    rng = np.random.default_rng(seed)
+    pages = rng.permutation(np.arange(1, num_pages))[: batch * per_row].reshape(batch, per_row).astype(np.int32)
+    b = DecodeBatch(tokens=rng.integers(0, cfg.vocab_size, batch).astype(np.int32),
+                    positions=np.full(batch, context, np.int32), page_table=pages, active=np.ones(batch, bool),
+                    temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
+                    top_p=np.ones(batch, np.float32), seeds=np.arange(batch, dtype=np.uint32),
+                    steps=np.zeros(batch, np.int32))
+    tags = jnp.asarray(rng.integers(1, 2**31, num_pages).astype(np.uint32))
+    expected = np.asarray(tags)[pages]
+    return {"params": params, "pool": pool, "batch": b, "tags": tags, "expected": expected,
+            "live": np.full(batch, per_row, np.int32), "num_pages": num_pages}
+
+
+def compiled_step(cfg: ModelConfig):
+    """The engine's decode step as the decode worker jits it (integrity hooks on, pool donated)."""
+    return jax.jit(lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=IntegrityTracker),
+                   donate_argnums=(1,))
+
+
+def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, **kw) -> dict[str, Any]:
+    """ms per step by component (median over ``steps`` profiled steps) for one batch size."""
+    s = setup(cfg, batch, **kw)
+    step, check = compiled_step(cfg), jax.jit(check_tags)
+    args = (s["tags"], s["batch"].page_table, s["expected"], s["live"])
+    ok = check(*args)
+    pool = s["pool"]
+    comp_step = step.lower(s["params"], pool, s["batch"], ok).compile()
+    comp_check = check.lower(*args).compile()
+    names = {**classify_hlo(comp_check.as_text()), **classify_hlo(comp_step.as_text())}
+    check_names = set(classify_hlo(comp_check.as_text()))
+    for _ in range(2):  # warm
+        ok = check(*args)
+        nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
+        nxt.block_until_ready()
+    per_step: list[dict[str, float]] = []
+    for _ in range(steps):
+        d = tempfile.mkdtemp()
+        jax.profiler.start_trace(d)
+        t0 = time.perf_counter()
+        ok = check(*args)
+        nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
+        nxt.block_until_ready()
+        wall = (time.perf_counter() - t0) * 1e3
+        jax.profiler.stop_trace()
+        comp = dict.fromkeys(COMPONENTS, 0.0)
+        for op, ns in _op_times(d).items():
+            c = "integrity" if op in check_names else names.get(op, "rest")
+            comp[c] += ns / 1e6
+        comp["op time"] = sum(comp.values())
+        comp["wall"] = wall
+        per_step.append(comp)
+    return {k: float(np.median([p[k] for p in per_step])) for k in [*COMPONENTS, "op time", "wall"]}
+
+
+def pool_growth(cfg: ModelConfig, batch: int, *, factor: int = 100, repeats: int = 7, **kw) -> dict[str, Any]:
+    """Decode step ms (median, range) with the pool 1x and ``factor``x the batch's pages, same real context;
+    the two pools' steps interleaved."""
+    arms = {}
+    for f in (1, factor):
+        s = setup(cfg, batch, pool_factor=f, **kw)
+        step = compiled_step(cfg)
+        ok = jnp.ones(batch, bool)
+        pool = s["pool"]
+        for _ in range(2):
+            nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
+            nxt.block_until_ready()
+        arms[f] = [s, step, pool, ok, []]
+    for _ in range(repeats):
+        for arm in arms.values():
+            s, step, pool, ok, times = arm
+            t0 = time.perf_counter()
+            nxt, arm[2], _ = step(s["params"], pool, s["batch"], ok)
+            nxt.block_until_ready()
+            times.append((time.perf_counter() - t0) * 1e3)
+    out = {f"{f}x": {"pages": arm[0]["num_pages"], "median_ms": float(np.median(arm[4])),
+                     "min_ms": float(np.min(arm[4])), "max_ms": float(np.max(arm[4]))} for f, arm in arms.items()}
+    out["ratio"] = out[f"{factor}x"]["median_ms"] / out["1x"]["median_ms"]
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Decode step profile: {result['label']}", "",
+             "ms per step (median of the profiled steps) by component: op time summed over XLA's threads, from XLA's "
+             "per-op trace on this machine; `wall` is the step's wall time "
+             "(`python -m phaseserve.bench.profile_decode`; grouping rules in the module docstring). "
+             f"Context {result['context']} tokens per row, float32 weights, {result['kv']} KV, pool sized to the "
+             "batch. "
+             f"Load average at start {result['environment']['load_average_1m_5m_15m']} on "
+             f"{result['environment']['cpu_cores']} cores.", ""]
+    header = ["model", "batch", *COMPONENTS, "op time", "wall"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join([r["model"], str(r["batch"]), *(fmt(r["ms"][c], 2) for c in
+                                                                      [*COMPONENTS, "op time", "wall"])]) + " |")
+    if result.get("pool_growth"):
+        lines += ["", "## Pool growth at a fixed real context", "",
+                  "| model | batch | pages 1x | ms 1x [range] | pages 100x | ms 100x [range] | ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for g in result["pool_growth"]:
+            a, b = g["1x"], g["100x"]
+            lines.append(f"| {g['model']} | {g['batch']} | {a['pages']} | {fmt(a['median_ms'], 2)} "
+                         f"[{fmt(a['min_ms'], 2)}, {fmt(a['max_ms'], 2)}] | {b['pages']} | {fmt(b['median_ms'], 2)} "
+                         f"[{fmt(b['min_ms'], 2)}, {fmt(b['max_ms'], 2)}] | {fmt(g['ratio'], 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--kv", default="float32", help="KV storage dtype (float32, bfloat16, float8_e4m3fn)")
+    ap.add_argument("--pool-growth", action="store_true", help="also time the step with a 100x pool")
+    a = ap.parse_args(argv)
+    result: dict[str, Any] = {"label": a.label or Path(a.out).name, "context": a.context, "kv": a.kv,
+                              "environment": environment(), "rows": [], "pool_growth": []}
+    for name in a.models:
+        cfg = model_config(name)
+        result.setdefault("params", {})[name] = param_count(init_params(cfg, jax.random.key(0)))
+        for b in a.batches:
+            ms = profile_point(cfg, b, steps=a.steps, context=a.context, kv_dtype=a.kv)
+            result["rows"].append({"model": name, "batch": b, "ms": ms})
+            print(name, b, {k: round(v, 2) for k, v in ms.items()}, flush=True)
+        if a.pool_growth:
+            g = pool_growth(cfg, 8, context=a.context, kv_dtype=a.kv)
+            result["pool_growth"].append({"model": name, "batch": 8, **g})
+            print(name, "pool growth", g, flush=True)
+    result["environment_end_load"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

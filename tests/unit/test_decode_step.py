@@ -1,0 +1,186 @@
+"""The decode step's cost paths: expert dispatch choice (gathered = ragged = dense, plain and quantized), the
+compiled step holding no pool-sized copy or conversion for any KV dtype (HLO check), the rows' page view the CPU
+attention reads through (same output as the whole pool, integrity-masked and out-of-range rows included), and
+greedy sampling skipping the sort."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.int4_matmul import quantize_int4
+from pallas_kernels.mla_attention import mla_decode_attention
+from pallas_kernels.paged_attention import paged_decode_attention
+from phaseserve.cache.attend import PagedAttend, rows_view
+from phaseserve.cache.integrity import IntegrityTracker
+from phaseserve.cache.paged import init_pool
+from phaseserve.config import ModelConfig
+from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.sampling import _draw, sample
+from phaseserve.model import moe as M
+from phaseserve.model.params import init_params
+
+S = 4
+MOE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, num_experts=8,
+           num_experts_per_tok=2, moe_intermediate_size=16, scoring_func="sigmoid", norm_topk_prob=True,
+           moe_layers=(False, True))
+MLA = ModelConfig(architecture="DeepseekV3ForCausalLM", num_kv_heads=4, head_dim=12, attention="mla", kv_lora_rank=16,
+                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, **MOE)
+GQA = ModelConfig(architecture="Qwen3MoeForCausalLM", num_kv_heads=2, head_dim=8, **MOE)
+
+
+def _moe_inputs(cfg, n, seed):
+    key = jax.random.key(seed)
+    p = init_params(cfg, key).layers[1].mlp
+    x = jax.random.normal(jax.random.fold_in(key, 1), (n, cfg.hidden_size))
+    w, idx = M.route(p, cfg, x)
+    return p, x, w, idx
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_dispatches_agree(n):
+    p, x, w, idx = _moe_inputs(MLA, n, seed=n)
+    ref = M.ragged_experts(p, MLA, x, w, idx)[0]
+    for d in (M.gathered_experts, M.dense_experts, M.auto_experts):
+        np.testing.assert_allclose(d(p, MLA, x, w, idx)[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gathered_experts_int4_weights():
+    p, x, w, idx = _moe_inputs(MLA, 2, seed=7)
+    q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
+    np.testing.assert_allclose(M.gathered_experts(q, MLA, x, w, idx)[0], M.dense_experts(q, MLA, x, w, idx)[0],
+                               rtol=1e-5, atol=1e-5)
+    # the quantized weights are really used: the result differs from the float weights'
+    assert not np.allclose(M.gathered_experts(q, MLA, x, w, idx)[0], M.gathered_experts(p, MLA, x, w, idx)[0],
+                           atol=1e-6)
+
+
+def test_choose_dispatch():
+    assert M.choose_dispatch(1, MLA, "cpu") is M.gathered_experts  # 2 assignments, 8 experts
+    assert M.choose_dispatch(8, MLA, "cpu") is M.dense_experts
+    assert M.choose_dispatch(4096, MLA, "cpu") is M.ragged_experts
+    assert M.choose_dispatch(1, MLA, "gpu") is M.ragged_experts
+    assert M.choose_dispatch(1, MLA, "tpu") is M.ragged_experts
+
+
+def _batch(cfg, b, pages_per_row, num_pages, rng):
+    pt = rng.permutation(np.arange(1, num_pages))[: b * pages_per_row].reshape(b, pages_per_row).astype(np.int32)
+    return DecodeBatch(tokens=rng.integers(0, cfg.vocab_size, b).astype(np.int32),
+                       positions=rng.integers(1, pages_per_row * S, b).astype(np.int32), page_table=pt,
+                       active=np.ones(b, bool), temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
+                       top_p=np.ones(b, np.float32), seeds=np.arange(b, dtype=np.uint32), steps=np.zeros(b, np.int32))
+
+
+def _random_pool(cfg, num_pages, kv, seed):
+    pool = init_pool(cfg, num_pages, S, kv)
+    leaves, tree = jax.tree.flatten(pool)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [(jax.random.uniform(k, x.shape, minval=0.5, maxval=1.5)
+                                      * jnp.where(jax.random.bernoulli(k, 0.5, x.shape), 1, -1)).astype(x.dtype)
+                                     for k, x in zip(keys, leaves, strict=True)])
+
+
+def pool_sized_ops(hlo: str, elements: set[int]) -> list[str]:
+    """Lines of ``copy`` / ``convert`` instructions (anywhere, fused computations included) whose result has as many
+    elements as a pool array."""
+    bad = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*\w+\[([\d,]*)\]\S*\s+(copy|convert)\(", line)
+        if m and int(np.prod([int(d) for d in m.group(1).split(",") if d] or [1])) in elements:
+            bad.append(line.strip()[:160])
+    return bad
+
+
+@pytest.mark.parametrize("cfg", [MLA, GQA], ids=["mla", "gqa"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_step_hlo_has_no_pool_sized_copy_or_convert(cfg, kv):
+    num_pages = 97  # a size no weight has
+    pool = init_pool(cfg, num_pages, S, kv)
+    params = init_params(cfg, jax.random.key(0))
+    batch = _batch(cfg, 3, 4, num_pages, np.random.default_rng(0))
+    step = jax.jit(lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=IntegrityTracker),
+                   donate_argnums=(1,))
+    compiled = step.lower(params, pool, batch, jnp.ones(3, bool)).compile()
+    hlo = compiled.as_text()
+    elements = {int(np.prod(x.shape)) for x in jax.tree.leaves(pool)}
+    assert pool_sized_ops(hlo, elements) == []
+    # every pool array is updated in place: aliased input -> output
+    aliases = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*\w+=", hlo)
+    assert aliases is not None and aliases.group(1).count("may-alias") >= len(jax.tree.leaves(pool))
+
+
+def test_pool_sized_ops_detects_a_whole_pool_conversion():
+    """The check above can fail: a step that converts the pool is caught."""
+    pool = init_pool(MLA, 97, S, "float8_e4m3fn")
+    f = jax.jit(lambda x: x.latent.astype(jnp.float16)[1:3])
+    hlo = f.lower(pool.layers[0]).compile().as_text()
+    assert pool_sized_ops(hlo, {int(np.prod(pool.layers[0].latent.shape))})
+
+
+@pytest.mark.parametrize("cfg", [MLA, GQA], ids=["mla", "gqa"])
+@pytest.mark.parametrize("kv", ["float32", "float8_e4m3fn"])
+def test_rows_view_reads_what_the_pool_holds(cfg, kv):
+    rng = np.random.default_rng(3)
+    num_pages, b = 23, 4
+    pages = _random_pool(cfg, num_pages, kv, seed=5).layers[0]
+    batch = _batch(cfg, b, 5, num_pages, rng)
+    pt = np.array(batch.page_table)
+    pt[1, 3] = num_pages + 4  # out of range: clipped, as the kernels do
+    pt[2, 0] = -1
+    lengths = jnp.asarray(rng.integers(1, 5 * S + 1, b), jnp.int32)
+    view, vpt = rows_view(pages, jnp.asarray(pt))
+    key = jax.random.key(1)
+    if cfg.is_mla:
+        ql = jax.random.normal(key, (b, cfg.num_heads, cfg.kv_lora_rank))
+        qr = jax.random.normal(jax.random.fold_in(key, 1), (b, cfg.num_heads, cfg.qk_rope_head_dim))
+        run = lambda p, t: mla_decode_attention(ql, qr, p.latent, t, lengths, scales=p.scale, sm_scale=0.3,  # noqa: E731
+                                                 impl="reference")
+    else:
+        q = jax.random.normal(key, (b, cfg.num_heads, cfg.head_dim))
+        run = lambda p, t: paged_decode_attention(q, p.k, p.v, t, lengths, k_scales=p.k_scale,  # noqa: E731
+                                                  v_scales=p.v_scale, sm_scale=0.3, impl="reference")
+    np.testing.assert_array_equal(run(view, vpt), run(pages, jnp.asarray(pt)))
+
+
+def test_paged_attend_masked_row_reads_nothing():
+    cfg, kv = MLA, "float8_e4m3fn"
+    rng = np.random.default_rng(4)
+    pool = _random_pool(cfg, 23, kv, seed=6)
+    batch = _batch(cfg, 3, 5, 23, rng)
+    ok = jnp.array([True, False, True])
+    att = PagedAttend(jnp.asarray(batch.page_table), jnp.asarray(batch.positions), jnp.ones(3, bool), ok,
+                      tracker=IntegrityTracker, sm_scale=0.3)
+    ql = jax.random.normal(jax.random.key(2), (3, cfg.num_heads, cfg.kv_lora_rank))
+    qr = jax.random.normal(jax.random.key(3), (3, cfg.num_heads, cfg.qk_rope_head_dim))
+    lat = jax.random.normal(jax.random.key(4), (3, cfg.kv_cache_width))
+    new, o = att(pool.layers[0], (ql, qr), lat)
+    assert np.all(np.asarray(o[1]) == 0) and np.all(np.abs(np.asarray(o[0])) > 0)
+    # the failing row wrote nothing: its pages are unchanged
+    row1 = np.asarray(batch.page_table)[1]
+    np.testing.assert_array_equal(np.asarray(new.latent[row1].astype(jnp.float32)),
+                                  np.asarray(pool.layers[0].latent[row1].astype(jnp.float32)))
+
+
+def test_sampling_greedy_skips_the_draw_and_mixed_rows_match():
+    rng = np.random.default_rng(9)
+    b, v = 6, 50
+    logits = jnp.asarray(rng.standard_normal((b, v)), jnp.float32)
+    temp = jnp.asarray([0, 0.7, 0, 1.3, 0, 0.9], jnp.float32)
+    top_k, top_p = jnp.asarray([0, 5, 0, 0, 3, 0], jnp.int32), jnp.asarray([1, 1, 1, 0.8, 1, 0.9], jnp.float32)
+    seeds, steps = jnp.arange(b, dtype=jnp.uint32) + 11, jnp.arange(b, dtype=jnp.int32)
+    out = np.asarray(sample(logits, temp, top_k, top_p, seeds, steps))
+    drawn = np.asarray(_draw(logits, temp, top_k, top_p, seeds, steps))
+    greedy = np.asarray(jnp.argmax(logits, axis=-1))
+    hot = np.asarray(temp) > 0
+    np.testing.assert_array_equal(out[~hot], greedy[~hot])
+    np.testing.assert_array_equal(out[hot], drawn[hot])
+    zeros = jnp.zeros(b, jnp.float32)
+    np.testing.assert_array_equal(sample(logits, zeros, top_k, top_p, seeds, steps), greedy)
+    # all-greedy: the sort sits in the untaken branch of a cond
+    jaxpr = jax.make_jaxpr(sample)(logits, zeros, top_k, top_p, seeds, steps)
+    top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert "cond" in top and "sort" not in top
