@@ -13,7 +13,8 @@ max, denominator and unnormalized output per query row), and a key block that no
 see (it starts past the block's largest position, or past every row's length) is skipped, not computed.
 
 * :func:`flash_prefill_reference`: plain JAX (``lax.map`` over query blocks, ``lax.scan`` over key blocks with a
-  ``lax.cond`` that skips fully masked blocks). Differentiable (training runs through it) and the CPU path.
+  ``lax.cond`` that skips fully masked blocks). Differentiable (training runs through it) and the CPU path; the
+  kernels' gradients are the reference's VJP (a ``custom_vjp``: the kernels are forward only).
 * GPU: **Pallas Triton**, one program per (row, query head, query block); it loops over exactly the key blocks
   it needs (a dynamic trip count computed in XLA), so skipped blocks cost nothing. Head dims are zero-padded to
   powers of two (Triton tiles); padding changes no dot product.
@@ -161,7 +162,7 @@ def _blocked(target: str, q, k, v, pos, lens, dk_pad: int, dv_pad: int):
     return blk, qt, kt, vt, posp, _kv_blocks(posp, lens, blk.block_q, blk.block_k, nq)
 
 
-def _gpu_forward(q, k, v, pos, lens, sm_scale, interpret):
+def _gpu_forward(q, k, v, pos, lens, *, sm_scale, interpret):
     b, t, h, dk = q.shape
     g, dv = h // k.shape[2], v.shape[-1]
     dkp, dvp = max(16, next_pow2(dk)), max(16, next_pow2(dv))  # Triton tiles: powers of two
@@ -216,7 +217,7 @@ def _tpu_kernel(nb_ref, len_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc
         o_ref[...] = finalize(acc_sc[...], l_sc[...]).astype(o_ref.dtype)
 
 
-def _tpu_forward(q, k, v, pos, lens, sm_scale, interpret):
+def _tpu_forward(q, k, v, pos, lens, *, sm_scale, interpret):
     b, t, h, dk = q.shape
     g, dv = h // k.shape[2], v.shape[-1]
     blk, qt, kt, vt, posp, nb = _blocked("tpu", q, k, v, pos, lens, dk, dv)
@@ -277,11 +278,26 @@ def flash_prefill(
     if q_positions.shape != (b, t):
         raise ValueError(f"q_positions {q_positions.shape} != {(b, t)}")
 
-    def run_pallas():
-        lens = _lengths(lengths, b, k.shape[1])
-        pos = q_positions.astype(jnp.int32)
-        fwd = _tpu_forward if resolve_target(target) == "tpu" else _gpu_forward
-        return fwd(q, k, v, pos, lens, sm_scale, resolve_interpret(interpret))
+    reference = functools.partial(flash_prefill_reference, sm_scale=sm_scale)
 
-    return dispatch(impl, run_pallas,
-                    lambda: flash_prefill_reference(q, k, v, q_positions, lengths, sm_scale=sm_scale))
+    def run_pallas():
+        fwd = _tpu_forward if resolve_target(target) == "tpu" else _gpu_forward
+        kernel = functools.partial(fwd, sm_scale=sm_scale, interpret=resolve_interpret(interpret))
+        pos = q_positions.astype(jnp.int32)
+        return _kernel_with_reference_grad(kernel, reference, q, k, v, pos, _lengths(lengths, b, k.shape[1]))
+
+    return dispatch(impl, run_pallas, lambda: reference(q, k, v, q_positions, lengths))
+
+
+def _kernel_with_reference_grad(kernel, reference, q, k, v, pos, lens):
+    """The kernel forward; gradients (training) through the reference's VJP, recomputed blockwise."""
+    @jax.custom_vjp
+    def f(q, k, v, pos, lens):
+        return kernel(q, k, v, pos, lens)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, res[3], res[4]), *res[:3])
+        return (*vjp(g), None, None)
+
+    f.defvjp(lambda *a: (f(*a), a), bwd)
+    return f(q, k, v, pos, lens)
