@@ -30,22 +30,24 @@ host memory and writes them back into fresh pages at readmission, so outputs do 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
+from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
-from phaseserve.engine.metrics import RunMetrics
+from phaseserve.engine.metrics import RunMetrics, oversized_pool
 from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
 from phaseserve.engine.scheduler import Scheduler, Sequence
 from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, stop_reason
 from phaseserve.model.params import Params
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
-from phaseserve.sharding import make_mesh, replicated, shard_params, split_devices
+from phaseserve.sharding import make_mesh, phase_devices, replicated, shard_params
 
 
 class EngineBusyError(RuntimeError):
@@ -59,13 +61,7 @@ class Engine:
         self.cfg = cfg
         self.serve = serve = serve or ServeConfig()
         m, q, c = serve.mesh, serve.quant, serve.cache
-        devices = jax.devices()
-        n_dec = m.decode_tp * m.decode_ep
-        if serve.mode == "disaggregated":
-            pre_devs, dec_devs = split_devices(devices, m.prefill_devices, m.decode_devices, m.prefill_tp, n_dec)
-        else:
-            dec_devs = [devices[i] for i in m.decode_devices] if m.decode_devices else devices[:n_dec]
-            pre_devs = dec_devs
+        pre_devs, dec_devs = phase_devices(jax.devices(), m, serve.mode)
         self.decode_mesh = make_mesh(dec_devs, tp=m.decode_tp, ep=m.decode_ep)
         self.prefill_mesh = self.decode_mesh if serve.mode == "colocated" else make_mesh(pre_devs, tp=m.prefill_tp)
 
@@ -77,6 +73,10 @@ class Engine:
         # decode cache
         self.kv_dtype = canonical_dtype(q.kv_dtype)
         num_pages = cache_pages(cfg, c, self.kv_dtype, dec_devs[0])
+        too_big = oversized_pool(num_pages, serve.max_batch, c.max_pages_per_seq,
+                                 c.page_size * kv_bytes_per_token(cfg, self.kv_dtype))
+        if too_big:
+            warnings.warn(too_big, stacklevel=2)
         self.prefill = PrefillWorker(cfg, prefill_params, kv_dtype=self.kv_dtype, prefill_kv_dtype=q.prefill_kv_dtype,
                                      max_prefill_tokens=serve.max_prefill_tokens)
         self.decode = DecodeWorker(cfg, decode_params, self.decode_mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,

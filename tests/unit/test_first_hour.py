@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -81,6 +82,10 @@ def test_device_sets_the_machine_lacks_are_a_config_error_naming_the_fix():
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in msg
     with pytest.raises(ps.ConfigError, match=rf"needs {2 * n} devices, but this machine has {n}"):
         tiny("disaggregated", mesh=ps.MeshConfig(prefill_tp=n, decode_tp=n))
+    with pytest.raises(ps.ConfigError, match=rf"\[{n}\]"):  # colocated: the same typed error, not IndexError
+        tiny("colocated", mesh=ps.MeshConfig(decode_devices=(n,)))
+    with pytest.raises(ps.ConfigError, match=rf"needs {n + 1} devices, but"):
+        tiny("colocated", mesh=ps.MeshConfig(decode_tp=n + 1))
 
 
 def test_colocated_header_names_the_one_weight_copy_both_phases_use():
@@ -116,6 +121,22 @@ def test_an_oversized_kv_pool_is_named_with_its_numbers():
     assert msg is not None and "200,000 pages" in msg and "at most 4,096" in msg
     assert f"{200_000 * page_bytes / 2**20:,.1f} MiB" in msg
     assert oversized_pool(4 * 4096 + 1, 64, 64, page_bytes) is None  # within the factor: no warning
+
+
+def test_the_engine_warns_about_an_oversized_pool_and_not_about_a_fitted_one():
+    cfg = ps.ModelConfig.from_hf_config(TINY)
+    params = ps.init_params(cfg, jax.random.key(1), "float32")
+    quant = ps.QuantConfig(decode_weights="float32", kv_dtype="float32", prefill_kv_dtype="float32")
+
+    def build(num_pages: int) -> ps.Engine:
+        cache = ps.CacheConfig(page_size=8, num_pages=num_pages, max_pages_per_seq=4)
+        return ps.Engine(cfg, params, ps.ServeConfig(mode="colocated", quant=quant, max_batch=2, cache=cache))
+
+    with pytest.warns(UserWarning, match="the KV budget gives 4,000 pages"):
+        build(4001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build(9)
 
 
 def test_entry_points_start_quietly():
