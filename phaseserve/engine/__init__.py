@@ -1,11 +1,13 @@
 """The serving engine: requests, scheduler, prefill and decode workers, KV handoff, metrics."""
 
-from phaseserve.engine.engine import Engine
+from phaseserve.engine.engine import Engine, EngineBusyError
 from phaseserve.engine.request import (
+    FINISH_REASONS,
     CancelledError,
     DuplicateRequestError,
     EmptyPromptError,
     InvalidParameterError,
+    InvalidRequestIdError,
     InvalidTokenError,
     PromptTooLongError,
     Request,
@@ -13,5 +15,6 @@ from phaseserve.engine.request import (
     RequestOutput,
 )
 
-__all__ = ["CancelledError", "DuplicateRequestError", "EmptyPromptError", "Engine", "InvalidParameterError",
-           "InvalidTokenError", "PromptTooLongError", "Request", "RequestError", "RequestOutput"]
+__all__ = ["FINISH_REASONS", "CancelledError", "DuplicateRequestError", "EmptyPromptError", "Engine",
+           "EngineBusyError", "InvalidParameterError", "InvalidRequestIdError", "InvalidTokenError",
+           "PromptTooLongError", "Request", "RequestError", "RequestOutput"]
