@@ -67,7 +67,8 @@ def _need(store: TensorStore, name: str, why: str) -> None:
 
 
 def _read_int4(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Scheme) -> tuple[Any, set[str]]:
-    """One pack-quantized linear ``n`` (``X.weight``) -> Int4Weight [in, out], or f32 [in, out] if act-order."""
+    """One pack-quantized linear ``n`` (``X.weight``) -> Int4Weight [in, out]; act-order: ActOrderInt4Weight, or
+    f32 [in, out] (the exact dequantization) when its groups are of unequal size."""
     if not scheme.int4_groups:
         raise UnsupportedFormatError(f"{n}_packed: INT4 pack-quantized tensor, but quantization_config declares no "
                                      "compressed-tensors INT4 scheme")
