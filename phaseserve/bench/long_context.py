@@ -1,0 +1,233 @@
+"""Long-context prefill benchmark: memory and efficiency of one prefill as T grows.
+
+For each (variant, T) point a fresh subprocess builds a random-weight model (the default architecture with its
+context raised; or a 64-head 2-layer variant of it), compiles one ``prefill`` of a single T-token prompt (logits
+at the last token, every layer's KV returned as the engine's prefill does) and reports:
+
+- ``temp_bytes``: XLA's temporaries of the compiled prefill (``compile().memory_analysis()``);
+- ``peak_rss_bytes``: the subprocess's peak resident set (``resource.getrusage(...).ru_maxrss``) after one run,
+  so points never contaminate each other;
+- ``seconds``, ``flops`` and ``flops_per_s``: the median of :func:`repeats` timed runs after compilation; FLOPs
+  counted analytically (:func:`prompt_flops`: 2 x the weights each token multiplies, the lm head once, and
+  causal attention's ``2 * H * (dk + dv)`` per visible (query, key) pair).
+
+Each point is time-boxed; a point that runs out of time keeps what it printed before (the temporaries) and says
+so. ``python -m phaseserve.bench.long_context [--out DIR]`` prints the table and writes ``long_context.json`` and
+``long_context.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+# (variant, T, time box in seconds)
+POINTS = [("default", 1024, 300), ("default", 4096, 300), ("default", 16384, 600), ("default", 65536, 900),
+          ("heads64", 4096, 300), ("heads64", 16384, 600), ("heads64", 32768, 900)]
+VARIANTS = {"default": {}, "heads64": {"num_attention_heads": 64, "num_key_value_heads": 64, "num_hidden_layers": 2}}
+LIMITS = {"ratio_64k_16k_max": 4.5, "flops_16k_vs_1k_min": 0.7}
+
+
+def model_config(variant: str, max_context: int):
+    """The default architecture (configs/model/default_random.yaml) with ``max_position_embeddings`` raised."""
+    from omegaconf import OmegaConf
+
+    from phaseserve.config import ModelConfig
+
+    hf = OmegaConf.to_container(OmegaConf.load(REPO / "configs/model/default_random.yaml").hf)
+    hf.update(VARIANTS[variant], max_position_embeddings=max_context)
+    return ModelConfig.from_hf_config(hf)
+
+
+def prompt_flops(cfg, params, t: int) -> dict[str, float]:
+    """FLOPs of one T-token prefill: weights (MoE: the routed experts a token uses) and causal attention."""
+    import jax
+
+    per_token = 0.0
+    for layer in params.layers:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(layer):
+            name = jax.tree_util.keystr(path)
+            if leaf.ndim < 2 or "router" in name:
+                continue  # norms, biases; the router is counted below
+            size = float(np.prod(leaf.shape))
+            if leaf.ndim == 3:  # stacked routed experts [E, ., .]: top-k of E per token
+                size *= cfg.num_experts_per_tok / cfg.num_experts
+            per_token += 2 * size
+        if hasattr(layer.mlp, "router"):
+            per_token += 2 * float(np.prod(layer.mlp.router.shape))
+    head = params.lm_head if params.lm_head is not None else params.embed
+    dk = cfg.head_dim
+    dv = cfg.v_head_dim if cfg.is_mla else cfg.head_dim
+    attention = cfg.num_layers * cfg.num_heads * 2 * (dk + dv) * t * (t + 1) / 2
+    weights = per_token * t + 2 * float(np.prod(head.shape))
+    return {"weights": weights, "attention": attention, "total": weights + attention}
+
+
+def repeats(t: int) -> int:
+    """Timed runs per default-architecture point (the median is reported): 3 up to 16K tokens, 1 beyond (minutes
+    each on the CPU); the 64-head variant runs once (only its memory is compared)."""
+    return 3 if t <= 16384 else 1
+
+
+def measure_point(variant: str, t: int) -> None:
+    """Child process: print one JSON line after compiling (temporaries) and one after the timed run."""
+    import jax
+    import jax.numpy as jnp
+
+    from phaseserve.model.params import init_params
+    from phaseserve.model.transformer import prefill
+
+    cfg = model_config(variant, max(t, 256))
+    params = init_params(cfg, jax.random.key(0), "float32")
+    tokens = jax.random.randint(jax.random.key(1), (1, t), 0, cfg.vocab_size, jnp.int32)
+    fn = jax.jit(lambda p, tok: prefill(p, cfg, tok, logits_at=jnp.full((1,), t - 1, jnp.int32)))
+    t0 = time.perf_counter()
+    compiled = fn.lower(params, tokens).compile()
+    mem = compiled.memory_analysis()
+    row = {"variant": variant, "T": t, "heads": cfg.num_heads, "layers": cfg.num_layers,
+           "temp_bytes": int(mem.temp_size_in_bytes), "compile_s": time.perf_counter() - t0}
+    print(json.dumps(row), flush=True)
+    times = []
+    for _ in range(repeats(t) if variant == "default" else 1):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(params, tokens))
+        times.append(time.perf_counter() - t0)
+    seconds = float(np.median(times))
+    flops = prompt_flops(cfg, params, t)
+    row.update(seconds=seconds, seconds_all=times, flops=flops["total"], attention_flops=flops["attention"],
+               flops_per_s=flops["total"] / seconds, tokens_per_s=t / seconds,
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    print(json.dumps(row), flush=True)
+
+
+def _peak_rss_so_far(pid: int) -> int | None:
+    """VmHWM of a live process (Linux), bytes: the peak resident set up to now."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_point(variant: str, t: int, box_s: float) -> dict:
+    """Run one point in a fresh interpreter, killed after ``box_s`` seconds; the last JSON line it printed (a killed
+    point reports its peak RSS up to the kill as ``peak_rss_bytes_partial``)."""
+    cmd = [sys.executable, "-m", "phaseserve.bench.long_context", "--point", variant, str(t)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = None
+    try:
+        out, err = proc.communicate(timeout=box_s)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {err.strip().splitlines()[-1:]}"
+    except subprocess.TimeoutExpired:
+        partial = _peak_rss_so_far(proc.pid)
+        proc.kill()
+        out, _ = proc.communicate()
+        status = f"timed out after {box_s:.0f} s (run not finished)"
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    row = rows[-1] if rows else {"variant": variant, "T": t}
+    row["status"] = status
+    if partial is not None:
+        row["peak_rss_bytes_partial"] = partial
+    return row
+
+
+def run_points(points: list[tuple[str, int, float]], log=print) -> list[dict]:
+    """The timed default-architecture points up to 16K run alone, one after another (their FLOP/s are compared);
+    the rest run in one lane per variant, the lanes side by side (only their memory is compared)."""
+    def lane(pts):
+        rows = []
+        for variant, t, box in pts:
+            rows.append(run_point(variant, t, box))
+            log(json.dumps(rows[-1]))
+        return rows
+
+    alone = [p for p in points if p[0] == "default" and p[1] <= 16384]
+    rest = [p for p in points if p not in alone]
+    rows = lane(alone)
+    lanes = [[p for p in rest if p[0] == v] for v in VARIANTS]
+    with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+        for lane_rows in pool.map(lane, [ln for ln in lanes if ln]):
+            rows += lane_rows
+    order = {(v, t): i for i, (v, t, _) in enumerate(POINTS)}
+    return sorted(rows, key=lambda r: order.get((r["variant"], r["T"]), len(order)))
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The ratios the issue asks for, from the points that have them (None where a point is missing)."""
+    def get(variant, t, key):
+        return next((r.get(key) for r in rows if r["variant"] == variant and r["T"] == t), None)
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    return {
+        "temp_64k_over_16k": ratio(get("default", 65536, "temp_bytes"), get("default", 16384, "temp_bytes")),
+        "rss_64k_over_16k": ratio(get("default", 65536, "peak_rss_bytes"), get("default", 16384, "peak_rss_bytes")),
+        "heads64_temp_32k_over_16k": ratio(get("heads64", 32768, "temp_bytes"), get("heads64", 16384, "temp_bytes")),
+        "flops_per_s_16k_over_1k": ratio(get("default", 16384, "flops_per_s"), get("default", 1024, "flops_per_s")),
+        "limits": LIMITS,
+    }
+
+
+def markdown(rows: list[dict], summary: dict) -> str:
+    lines = ["# Long-context prefill: memory and efficiency of one prefill", "",
+             "One T-token prompt, batch 1, float32 random weights, one subprocess per point (CPU, shared 2 cores).",
+             "", "| variant | heads x layers | T | XLA temporaries MiB | peak RSS MiB | seconds | GFLOP | GFLOP/s "
+             "| tok/s | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    def rss(r):
+        if r.get("peak_rss_bytes") is not None:
+            return f"{r['peak_rss_bytes'] / 2**20:,.1f}"
+        part = r.get("peak_rss_bytes_partial")
+        return "-" if part is None else f">= {part / 2**20:,.1f} (at the kill)"
+
+    for r in rows:
+        def num(key, fmt, scale=1.0, r=r):
+            return "-" if r.get(key) is None else fmt.format(r[key] / scale)
+        lines.append(f"| {r['variant']} | {r.get('heads', '-')} x {r.get('layers', '-')} | {r['T']} | "
+                     f"{num('temp_bytes', '{:,.1f}', 2**20)} | {rss(r)} | "
+                     f"{num('seconds', '{:.1f}')} | {num('flops', '{:,.1f}', 1e9)} | "
+                     f"{num('flops_per_s', '{:.2f}', 1e9)} | "
+                     f"{num('tokens_per_s', '{:,.0f}')} | {r['status']} |")
+    lines += ["", "| ratio | measured | limit |", "|---|---|---|"]
+    fmt = (lambda x: "-" if x is None else f"{x:.2f}")  # noqa: E731
+    lines.append(f"| temporaries 64K / 16K (default) | {fmt(summary['temp_64k_over_16k'])} | <= 4.5 |")
+    lines.append(f"| peak RSS 64K / 16K (default) | {fmt(summary['rss_64k_over_16k'])} | <= 4.5 |")
+    lines.append(f"| temporaries 32K / 16K (64 heads) | {fmt(summary['heads64_temp_32k_over_16k'])} | (linear: 2) |")
+    lines.append(f"| FLOP/s 16K / 1K (default) | {fmt(summary['flops_per_s_16k_over_1k'])} | >= 0.7 |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--point", nargs=2, metavar=("VARIANT", "T"), help="(internal) measure one point and exit")
+    ap.add_argument("--out", default="benchmarks/long_context", help="directory for the JSON and markdown")
+    ap.add_argument("--only", nargs="*", default=None, help="variant:T points to run (default: all)")
+    args = ap.parse_args(argv)
+    if args.point:
+        measure_point(args.point[0], int(args.point[1]))
+        return 0
+    points = [p for p in POINTS if args.only is None or f"{p[0]}:{p[1]}" in args.only]
+    rows = run_points(points)
+    summary = summarize(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "long_context.json").write_text(json.dumps({"points": rows, "summary": summary}, indent=2) + "\n")
+    table = markdown(rows, summary)
+    (out / "long_context.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
