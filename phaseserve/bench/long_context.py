@@ -12,13 +12,14 @@ at the last token, every layer's KV returned as the engine's prefill does) and r
   causal attention's ``2 * H * (dk + dv)`` per visible (query, key) pair).
 
 Each point is time-boxed; a point that runs out of time keeps what it printed before (the temporaries) and says
-so. ``python -m phaseserve.bench.long_context [--out DIR]`` prints the table and writes ``long_context.json`` and
-``long_context.md``.
+so. ``python experiments/long_context.py hydra.run.dir=benchmarks/long_context`` (or ``python -m
+phaseserve.bench.long_context [--out DIR]``) prints the table and writes ``long_context.json`` and ``long_context.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import subprocess
@@ -208,6 +209,42 @@ def markdown(rows: list[dict], summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclasses.dataclass
+class LongContextSpec:
+    """``experiment:`` node of configs/experiment/long_context.yaml."""
+
+    name: str = "long_context"
+    points: list[str] = dataclasses.field(default_factory=lambda: [f"{v}:{t}:{b}" for v, t, b in POINTS])
+
+
+def parse_point(text: str) -> tuple[str, int, float]:
+    """``"variant:T:box_seconds"`` -> (variant, T, box)."""
+    variant, t, box = text.split(":")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {sorted(VARIANTS)}")
+    return variant, int(t), float(box)
+
+
+def run_and_write(points: list[tuple[str, int, float]], out: Path, log=print) -> dict:
+    """Measure ``points``, write long_context.json and long_context.md under ``out``, print the table."""
+    rows = run_points(points, log)
+    summary = summarize(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "long_context.json").write_text(json.dumps({"points": rows, "summary": summary}, indent=2) + "\n")
+    table = markdown(rows, summary)
+    (out / "long_context.md").write_text(table)
+    log(table)
+    return summary
+
+
+def run(cfg, out_dir: str) -> dict:
+    """Hydra entry (experiments/long_context.py): the points of ``cfg.experiment``."""
+    from phaseserve.bench.schema import experiment_spec
+
+    spec = experiment_spec(cfg, LongContextSpec)
+    return run_and_write([parse_point(p) for p in spec.points], Path(out_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--point", nargs=2, metavar=("VARIANT", "T"), help="(internal) measure one point and exit")
@@ -217,15 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.point:
         measure_point(args.point[0], int(args.point[1]))
         return 0
-    points = [p for p in POINTS if args.only is None or f"{p[0]}:{p[1]}" in args.only]
-    rows = run_points(points)
-    summary = summarize(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "long_context.json").write_text(json.dumps({"points": rows, "summary": summary}, indent=2) + "\n")
-    table = markdown(rows, summary)
-    (out / "long_context.md").write_text(table)
-    print(table)
+    run_and_write([p for p in POINTS if args.only is None or f"{p[0]}:{p[1]}" in args.only], Path(args.out))
     return 0
 
 

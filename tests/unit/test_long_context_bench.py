@@ -3,10 +3,15 @@ committed run in benchmarks/long_context/)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
 
 from phaseserve.bench import long_context as lc
+from phaseserve.bench.schema import experiment_spec
 from phaseserve.model.params import init_params
 
 
@@ -50,3 +55,12 @@ def test_a_point_past_its_time_box_is_reported_not_lost():
     row = lc.run_point("default", 1024, box_s=0.5)
     assert row["status"].startswith("timed out after 0 s") and row["T"] == 1024
     assert "seconds" not in row
+
+
+def test_hydra_experiment_lists_the_points():
+    with initialize_config_dir(config_dir=str(Path(lc.REPO, "configs")), version_base="1.3"):
+        cfg = compose(config_name="experiment/long_context")
+    spec = experiment_spec(cfg, lc.LongContextSpec)
+    assert [lc.parse_point(p) for p in spec.points] == [(v, t, float(b)) for v, t, b in lc.POINTS]
+    with pytest.raises(ValueError, match="unknown variant"):
+        lc.parse_point("heads65:1024:10")
