@@ -6,7 +6,8 @@ copy (read + write bytes per second) and a large BF16 matmul (FLOP/s), then time
 * decode attention, batch 64 x 8K context: GQA (64 query / 8 KV heads, head_dim 128, page 64) with BF16
   and FP8 pages, and Kimi-like MLA (64 heads, kv_lora_rank 512, rope 64) with BF16 and FP8 latents;
 * W4A16 (INT4, group 32) at M = 1, 8, 32, 64 for K = N = 7168 and the Kimi expert shapes (7168 -> 2048,
-  2048 -> 7168), next to a BF16 XLA matmul of the same shape, and the grouped MoE form (48 local experts);
+  2048 -> 7168), next to a BF16 XLA matmul of the same shape, and the grouped MoE form (48 local experts),
+  INT4 and FP8 (128x128 blocks; its reference dequantizes the whole expert stack, the old serving path);
 * prefill matmuls at M = 4096, K = N = 7168: FP8 (128x128 blocks; W8A8 on a GPU) and INT4 (group 32).
 
 It prints one table (achieved GB/s and fraction of the measured copy bandwidth for the memory-bound
@@ -31,7 +32,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fp8_matmul, int4_matmul, mla_attention, paged_attention
+from pallas_kernels import common, fp8_matmul, int4_matmul, mla_attention, paged_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,12 @@ def bench_w4a16(sz: Sizes) -> list[Row]:
     tr = timeit(jax.jit(int4_matmul.int4_grouped_matmul_reference), [(x, we, sizes)], sz.iters, sz.trials)
     rows.append(Row(f"w4a16 grouped {rows_x} rows {touched}/{e} experts K{k} N{n}", "pallas", tg,
                     touched * we.nbytes / e, ref_seconds=tr))
+    w8 = fp8_matmul.quantize_fp8(jax.random.normal(jax.random.key(33), (e, k, n), jnp.float32), (128, 128))
+    t8 = timeit(jax.jit(lambda x, w, g: fp8_matmul.fp8_grouped_matmul(x, w, g, act_quant=False, impl="pallas")),
+                [(x, w8, sizes)], sz.iters, sz.trials)
+    tr8 = timeit(jax.jit(fp8_matmul.fp8_grouped_matmul_reference), [(x, w8, sizes)], sz.iters, sz.trials)
+    rows.append(Row(f"fp8 grouped W8A16 {rows_x} rows {touched}/{e} experts K{k} N{n}", "pallas", t8,
+                    touched * w8.nbytes / e, ref_seconds=tr8))
     return rows
 
 
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
               f"measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), BF16 matmul {mm_rate / 1e12:.0f} "
               f"TFLOP/s ({sz.matmul}^3)", ""]
     rows = bench_attention(sz) + bench_w4a16(sz) + bench_prefill(sz)
-    lines = header + table(rows, copy_bw, mm_rate) + [""] + goals(rows, copy_bw, sz)
+    lines = header + table(rows, copy_bw, mm_rate) + [""] + goals(rows, copy_bw, sz) + ["", "kernel provenance:"]
+    lines += [f"  {r['op']} [{r['platform']}] {r['impl']} x{r['count']} {r['reason']}" for r in common.provenance()]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

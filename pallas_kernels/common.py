@@ -87,14 +87,18 @@ def provenance() -> list[dict]:
 def dispatch(impl: str, run_pallas, run_reference, *, op: str = "kernel", platform: str = "any"):
     """Run ``run_pallas()`` or ``run_reference()`` per ``impl``; ``"auto"`` falls back on a refused shape
     (recorded in :data:`PROVENANCE` and logged)."""
-    chosen = resolve_impl(impl)
-    if chosen == "reference":
+    if resolve_impl(impl) == "reference":
         record(op, platform, "reference")
         return run_reference()
+    return _pallas_or_fallback(op, platform, impl == "pallas", run_pallas, run_reference)
+
+
+def _pallas_or_fallback(op: str, platform: str, strict: bool, run_pallas, run_reference):
+    """The kernel; on a refused shape, raise (strict) or use the reference, recorded as a fallback."""
     try:
         out = run_pallas()
     except UnsupportedShapeError as e:
-        if impl != "auto":
+        if strict:
             raise
         record(op, platform, "fallback", str(e))
         return run_reference()
@@ -109,7 +113,9 @@ def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | No
     ``target`` given, or ``interpret`` resolving to True: one body (as :func:`dispatch`). Otherwise the body is
     chosen per lowering platform with ``jax.lax.platform_dependent``: cuda/rocm -> the Triton body, tpu -> the
     Mosaic body, other platforms -> interpret mode (``impl="pallas"`` with ``interpret=None``) or the reference.
-    ``impl="auto"`` then means the kernel on GPU/TPU and the reference elsewhere, whatever the default backend.
+    ``impl="auto"`` then means the kernel on GPU/TPU and the reference elsewhere, whatever the default backend;
+    ``impl="pallas"`` raises :class:`UnsupportedShapeError` only for the default backend's body (a refused
+    shape in another platform's branch is recorded as a fallback there).
     """
     if impl not in ("auto", "pallas", "reference"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
@@ -122,9 +128,13 @@ def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | No
                         platform=tgt)
 
     def branch(platform, tgt):
+        # every branch is traced; impl="pallas" is strict (raises on a refused shape) for the default backend's
+        # platform only, the others fall back to the reference (recorded and logged) so that e.g. a shape the
+        # TPU body refuses does not break a GPU run
+        strict = impl == "pallas" and backend() == tgt
+
         def run():
-            return dispatch("auto" if impl == "auto" else "pallas", lambda: build(tgt, False), run_reference, op=op,
-                            platform=platform)
+            return _pallas_or_fallback(op, platform, strict, lambda: build(tgt, False), run_reference)
         return run
 
     def default():

@@ -161,12 +161,13 @@ def _grouped_kernel(te_ref, tv_ref, *refs, tile_axis, bk, bks, bn_per_scale, per
     else:
         (x_ref, w_ref, s_ref, o_ref), xs_ref = refs, None
     t = pl.program_id(tile_axis)
-    col = jax.lax.div(pl.program_id(1 - tile_axis), bn_per_scale)
+    col = jax.lax.div(pl.program_id(1), bn_per_scale) if tile_axis == 0 else 0  # GPU: this N tile's scale column
     if tile_axis == 0:
         e = te_ref[t]
         w_at, s_at, s_row = (lambda sl: w_ref[e, sl, :]), (lambda r, c: s_ref[e, r, c]), (lambda: s_ref[e, :, :])
     else:
-        w_at, s_at, s_row = (lambda sl: w_ref[sl, :]), (lambda r, c: s_ref[r, c]), (lambda: s_ref[...])
+        # TPU block scales: the tile's own column [1, nk] of the expert's transposed scales; per-channel: [1, bn]
+        w_at, s_at, s_row = (lambda sl: w_ref[sl, :]), (lambda r, c: s_ref[0, r]), (lambda: s_ref[...])
 
     @pl.when(tv_ref[t] == 1)
     def _compute():
@@ -272,8 +273,11 @@ def _grouped_forward(x, w: Fp8Weight, group_sizes, act_quant: bool, target: str,
         return moe_tiles.scatter_back(out, dest)
     args, in_specs = _x_args(moe_tiles.gather_tiles(x, src), act_quant,
                              lambda cols: pl.BlockSpec((bm, cols), lambda j, v, te, tv: (v, 0)))
+    nk, nn, bps = scale.shape[1], scale.shape[2], kw["bn_per_scale"]
+    if not kw["per_channel"]:  # [E * nn, 1, nk]: one N tile's scale column is a whole (1, nk) block (SMEM)
+        scale = scale.transpose(0, 2, 1).reshape(num_groups * nn, 1, nk)
     s_spec = (pl.BlockSpec((None, 1, bn), lambda j, v, te, tv: (te[v], 0, j)) if kw["per_channel"]
-              else pl.BlockSpec((None, *scale.shape[1:]), lambda j, v, te, tv: (te[v], 0, 0),
+              else pl.BlockSpec((None, 1, nk), lambda j, v, te, tv: (te[v] * nn + jax.lax.div(j, bps), 0, 0),
                                 memory_space=pltpu.SMEM))
     out = pl.pallas_call(
         kernel,

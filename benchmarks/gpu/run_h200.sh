@@ -1,16 +1,46 @@
 #!/usr/bin/env bash
-# One-GPU (H200) recipe, meant for one call of the lent device (10 minutes): kernels against the measured copy
-# bandwidth and matrix rate, then the three experiments at Moonlight-16B-A3B shapes (Kimi's architecture at one-GPU
-# size, random BF16 weights). Everything it prints and writes lands in $OUT (or ./gpu_out).
-# Not yet run: no device was lent to the task that wrote it. Carry the Hydra wheels as ../shared/device-wheels says.
+# One-GPU (H200) recipe, for one call of the lent device (10 minutes). Stages, each time-boxed with `timeout` so a
+# failure or hang in one still leaves the others' output, all written under $OUT (default ./gpu_out):
+#   1. kernel checks: every Pallas kernel compiled (impl="pallas", not interpret) against its reference
+#      (python -m pallas_kernels.device_check)                                   -> $OUT/kernel_checks.{txt,json}
+#   2. kernel benchmark against the measured copy bandwidth / matmul rate       -> $OUT/kernels.{md,txt}
+#   3. the experiments at Moonlight-16B-A3B shapes (reproduce.py)               -> $OUT/reproduce/, reproduce.txt
+# $OUT/stages.txt gets one line per stage: name, exit status (124 = timed out), seconds.
+# SMOKE=1: the same stages at tiny sizes on whatever backend is present (the CPU smoke test in
+# tests/kernels/test_gpu_recipe.py); stage limits STAGE1_S / STAGE2_S / STAGE3_S override the defaults.
+# Works with jax 0.10.x and 0.11.x (Python 3.11/3.12). Hydra is not installed on the device machine: carry the
+# wheels as /work/shared/device-wheels/README says (.whl/ in the checkout); they are installed to /tmp/site.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
+SMOKE=${SMOKE:-0}
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+if [ -d .whl ] && ! "$PY" -c "import hydra" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import jax; print(jax.__version__, jax.devices())"; } 2>&1 | tee "$OUT/machine.txt"
-timeout 150 python3 -m pallas_kernels.bench --out "$OUT/kernels.md" 2>&1 | tail -40
-timeout 360 python3 experiments/reproduce.py hydra.run.dir="$OUT/reproduce" \
-  'experiment.overrides=["model=moonlight","mesh=single","engine.attn_impl=auto"]' 2>&1 | tail -60
+if [ "$SMOKE" = 1 ]; then
+  S1=${STAGE1_S:-300}; S2=${STAGE2_S:-300}; S3=${STAGE3_S:-300}; SMOKE_FLAG=--smoke
+  EXP_OVERRIDES='experiment.experiments=[capacity]'
+else
+  S1=${STAGE1_S:-150}; S2=${STAGE2_S:-150}; S3=${STAGE3_S:-240}; SMOKE_FLAG=
+  EXP_OVERRIDES='experiment.overrides=["model=moonlight","mesh=single","engine.attn_impl=auto"]'
+fi
+: > "$OUT/stages.txt"
+stage() {  # stage NAME LIMIT_S LOGFILE CMD...
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$OUT/stages.txt"
+  tail -25 "$log"
+}
+{ date -u; command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$PY" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"; } 2>&1 \
+  | tee "$OUT/machine.txt"
+stage kernel_checks "$S1" "$OUT/kernel_checks.txt" \
+  "$PY" -m pallas_kernels.device_check $SMOKE_FLAG --out "$OUT/kernel_checks.json"
+stage kernel_bench "$S2" "$OUT/kernels.txt" "$PY" -m pallas_kernels.bench $SMOKE_FLAG --out "$OUT/kernels.md"
+stage experiments "$S3" "$OUT/reproduce.txt" "$PY" experiments/reproduce.py hydra.run.dir="$OUT/reproduce" \
+  "$EXP_OVERRIDES"
+echo "done: $(tr '\n' ';' < "$OUT/stages.txt")"

@@ -1,0 +1,64 @@
+"""Kernel dispatch: the body is chosen per lowering platform (jax.export for tpu / cuda from this CPU process builds
+Mosaic / Triton without ``target=``), ``impl="auto"`` fallbacks are counted and logged with their reason, and
+float32 dots inside kernels run at HIGHEST precision (bf16 ones at the default)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import common
+from pallas_kernels.int4_matmul import int4_matmul, quantize_int4
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def custom_calls(fn, platform, *args) -> set[str]:
+    exp = export.export(jax.jit(fn), platforms=[platform],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    return set(re.findall(r"custom_call @([\w$.]+)", exp.mlir_module()))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "auto"])
+def test_export_builds_the_lowering_platforms_body_without_target(impl):
+    rng = np.random.default_rng(0)
+    w = quantize_int4(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32), 32)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    fn = functools.partial(int4_matmul, w=w, impl=impl, interpret=False if impl == "pallas" else None)
+    assert "tpu_custom_call" in custom_calls(fn, "tpu", x)
+    assert TRITON in custom_calls(fn, "cuda", x)
+    assert not {"tpu_custom_call", TRITON} & custom_calls(fn, "cpu", x)  # CPU: the reference
+
+
+def test_auto_fallback_is_counted_and_logged_with_its_reason(caplog):
+    rng = np.random.default_rng(1)
+    w40 = quantize_int4(jnp.asarray(rng.standard_normal((256, 40)), jnp.float32), 32)  # N = 40: no GPU tile
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    before = dict(common.PROVENANCE)
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
+        calls = custom_calls(functools.partial(int4_matmul, w=w40, impl="auto"), "cuda", x)  # exported from the CPU
+    assert TRITON not in calls  # the refused shape is not built as a Triton kernel
+    new = {k: v - before.get(k, 0) for k, v in common.PROVENANCE.items() if v != before.get(k, 0)}
+    fallbacks = [(k, n) for k, n in new.items() if k[2] == "fallback"]
+    ((op, platform, impl, reason), count), = fallbacks
+    assert (op, platform, impl, count) == ("int4_matmul", "cuda", "fallback", 1) and "cannot tile" in reason
+    assert new[("int4_matmul", "tpu", "pallas", "")] == 1  # the TPU body takes N = 40
+    assert any("int4_matmul" in r.message and "cannot tile" in r.message for r in caplog.records)
+    rows = [r for r in common.provenance() if r["impl"] == "fallback" and r["op"] == "int4_matmul"]
+    assert rows and rows[0]["reason"] == reason
+
+
+def test_float32_dots_in_kernels_are_highest_precision():
+    rng = np.random.default_rng(2)
+    w = quantize_int4(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32), 32)
+    for dtype, want in ((jnp.float32, True), (jnp.bfloat16, False)):
+        x = jnp.asarray(rng.standard_normal((4, 256)), dtype)
+        jaxpr = str(jax.make_jaxpr(functools.partial(int4_matmul, impl="pallas", interpret=True, target="gpu"))(x, w))
+        assert ("precision=(Precision.HIGHEST" in jaxpr) == want

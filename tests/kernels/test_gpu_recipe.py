@@ -1,0 +1,29 @@
+"""The one-GPU recipe (benchmarks/gpu/run_h200.sh) end to end on the CPU in its smoke mode: the kernel checks pass
+(every kernel against its reference), a stage that runs out of time is cut off (status 124) and the stages after
+it still run and write their output under $OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_recipe_smoke_runs_every_stage_and_survives_a_timeout(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), SMOKE="1", PYTHON=sys.executable, STAGE2_S="2")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run_h200.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stages = dict(line.split()[0:2] for line in (tmp_path / "stages.txt").read_text().splitlines())
+    assert stages == {"kernel_checks": "rc=0", "kernel_bench": "rc=124", "experiments": "rc=0"}
+    checks = json.loads((tmp_path / "kernel_checks.json").read_text())
+    assert checks["smoke"] and len(checks["checks"]) >= 17 and all(c["ok"] for c in checks["checks"])
+    names = {c["name"].split()[0] for c in checks["checks"]}
+    assert names == {"paged_gqa", "paged_mla", "int4_matmul", "int4_grouped", "fp8_matmul", "fp8_grouped"}
+    assert {p["impl"] for p in checks["provenance"]} >= {"pallas", "reference"}
+    assert json.loads((tmp_path / "reproduce" / "results.json").read_text())
+    assert "jax" in (tmp_path / "machine.txt").read_text()
