@@ -99,6 +99,7 @@ class Generation:
             if not was_stopped:
                 yield delta  # possibly "" (a special token, part of a character): one chunk per engine step
             if self.text.stopped and not was_stopped:
+                self.handle.stop_string = True  # set before the cancel is queued: the loop thread sees it
                 self.loop.cancel(self.req.id)
             item = await self.handle.get()
 

@@ -141,6 +141,7 @@ class Handle:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     output: RequestOutput | None = None  # set by the loop thread on submission
     sent: int = 0  # tokens handed to ``queue`` so far (loop thread only)
+    stop_string: bool = False  # the HTTP side ended it at a stop string (then cancelled it in the engine)
 
     async def get(self) -> tuple[str, Any]:
         return await self.queue.get()

@@ -5,8 +5,8 @@ so the times are the engine's, not the HTTP layer's):
 
 - ``phaseserve:time_to_first_token_seconds``, ``phaseserve:time_per_output_token_seconds``,
   ``phaseserve:e2e_request_latency_seconds`` (histograms);
-- ``phaseserve:request_success_total{finished_reason}`` (length / stop / aborted / error / cancelled),
-  ``phaseserve:prompt_tokens_total``, ``phaseserve:generation_tokens_total``.
+- ``phaseserve:request_success_total{finished_reason}`` (length / stop -- a stop string included -- / aborted /
+  error / cancelled by the client), ``phaseserve:prompt_tokens_total``, ``phaseserve:generation_tokens_total``.
 
 From the backend after every loop iteration (:meth:`ServerMetrics.on_step`):
 
@@ -61,12 +61,16 @@ class ServerMetrics:
         """A request finished (loop thread): its latencies, reason and token counts."""
         out = handle.output
         m = out.metrics
-        reason = "cancelled" if isinstance(out.error, CancelledError) else out.finish_reason
+        reason = out.finish_reason
+        if handle.stop_string:  # ended by a stop string: the server cancelled it in the engine
+            reason = "stop"
+        elif isinstance(out.error, CancelledError):
+            reason = "cancelled"
         self.finished.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(len(out.tokens))
         for hist, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
-            if value is not None and out.finish_reason in ("length", "stop"):
+            if value is not None and reason in ("length", "stop"):
                 hist.observe(value)
 
     def on_step(self, stats: dict) -> None:

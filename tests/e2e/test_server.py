@@ -101,7 +101,15 @@ def test_models_health_and_a_completion_with_usage(server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert 1 <= r.usage.completion_tokens <= 20
     assert (r.choices[0].finish_reason == "length") == (r.usage.completion_tokens == 20)
-    assert r.choices[0].text  # the model continues Python source
+    text = r.choices[0].text
+    assert text.strip()  # the model continues Python source
+    # a stop string cuts the same greedy text before it, ends with "stop" and counts as a stop in /metrics
+    stop = text.strip()[len(text.strip()) // 2]
+    name = f'phaseserve:request_success_total{{finished_reason="stop",model_name="{MODEL}"}}'
+    stops = _metric(server["port"], name) if name in _metrics_text(server["port"]) else 0.0
+    cut = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert _metric(server["port"], name) == stops + 1
 
 
 def test_streamed_deltas_equal_the_completion_and_the_engine_tokens(server):
