@@ -83,7 +83,7 @@ class CacheSpec:
     kv_budget_bytes: int | None = None  # ... or a byte budget (pages then depend on the KV dtype) ...
     kv_budget_requests: float | None = None  # ... or bytes that hold this many workload requests in budget_dtype
     budget_dtype: str = "bfloat16"  # dtype kv_budget_requests is counted in
-    max_pages_per_seq: int = 16
+    max_pages_per_seq: int | None = 16  # null: enough pages for engine.max_context (ServeConfig derives it)
     integrity: Any = True  # bool, or a list
     admission: str = "reserve"  # "reserve" | "on_demand"
 
@@ -275,7 +275,7 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
     if c.kv_budget_requests is not None:
         budget = budget_bytes_for_requests(model_cfg, cfg)
     cache = CacheConfig(page_size=int(c.page_size), num_pages=c.num_pages, kv_budget_bytes=budget,
-                        max_pages_per_seq=int(c.max_pages_per_seq),
+                        max_pages_per_seq=None if c.max_pages_per_seq is None else int(c.max_pages_per_seq),
                         integrity=bool(single(c.integrity, "cache.integrity")), admission=str(c.admission))
     mesh = MeshConfig(prefill_devices=tuple(m.prefill_devices) if m.prefill_devices is not None else None,
                       decode_devices=tuple(m.decode_devices) if m.decode_devices is not None else None,

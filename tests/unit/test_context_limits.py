@@ -60,3 +60,14 @@ def test_engine_refuses_a_context_the_model_cannot_hold():
     params = init_params(cfg, jax.random.key(0), "float32")
     with pytest.raises(ConfigError, match="model's context of 512"):
         ps.Engine(cfg, params, ps.ServeConfig(max_context=1024, cache=ps.CacheConfig(num_pages=256)))
+
+
+def test_hydra_cache_can_derive_the_page_cap():
+    from hydra import compose, initialize_config_dir
+
+    from phaseserve.config_hydra import repo_path, serve_config
+
+    with initialize_config_dir(config_dir=str(repo_path("configs")), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=tiny_mla", "cache.max_pages_per_seq=null",
+                                                       "engine.max_context=8192"])
+    assert serve_config(cfg, tiny(max_position_embeddings=8192)).cache.max_pages_per_seq == 512
