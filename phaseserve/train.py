@@ -399,7 +399,7 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     """Export the trained model, reload it the way users do and evaluate the shipped (exported) weights."""
     from phaseserve.eval.cached_decode import cached_greedy_generate_fn
     from phaseserve.eval.generation import evaluate_tool_calls, heldout_perplexity
-    from phaseserve.model.loader import load_checkpoint
+    from phaseserve.quant.loader import load_checkpoint
 
     out = export_hf(params, c.model, c.export_dir, c.export_dtype)
     cfg, shipped = load_checkpoint(out, "float32")

@@ -41,7 +41,7 @@ def show_default_model(path: str | Path | None = None, generate_fn=None, text_pr
     tok = ByteTokenizer()
     if generate_fn is None:
         from phaseserve.eval.cached_decode import cached_greedy_generate_fn
-        from phaseserve.model.loader import load_checkpoint
+        from phaseserve.quant.loader import load_checkpoint
 
         cfg, params = load_checkpoint(path or default_model_path(), "float32")
         generate_fn = cached_greedy_generate_fn(params, cfg, batch_size=2)
