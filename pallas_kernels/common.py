@@ -6,10 +6,9 @@ the Pallas path refuses a shape), ``"pallas"`` (the kernel, or :class:`Unsupport
 ``"reference"``. ``interpret=None`` means interpret mode exactly when running on the CPU. ``target``
 picks which kernel body to build: ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Pallas Mosaic TPU); ``None``
 follows the default backend, and on the CPU (interpret mode) it is ``"gpu"``. The lowering check passes
-``target`` explicitly, but :func:`dispatch_kernel` with ``target=None`` (and ``interpret`` not forced on) builds
-the body per *lowering* platform with ``jax.lax.platform_dependent`` (``cuda``/``rocm`` -> Triton, ``tpu`` ->
-Mosaic, anything else -> interpret mode or the reference), so ``jax.export`` for any platform from any process
-gets the right body.
+``target`` explicitly, but in a CPU process :func:`dispatch_kernel` with ``impl="pallas"`` and ``target=None``
+builds the body per *lowering* platform with ``jax.lax.platform_dependent`` (``cuda``/``rocm`` -> Triton,
+``tpu`` -> Mosaic, anything else -> interpret mode), so ``jax.export`` for any platform gets the right body.
 
 Provenance: every kernel call records, at trace time, which implementation it built (``pallas``,
 ``reference``, or ``fallback`` with the reason the Pallas path refused the shape) in :data:`PROVENANCE`
@@ -108,38 +107,33 @@ def _pallas_or_fallback(op: str, platform: str, strict: bool, run_pallas, run_re
 
 def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | None,
                     build: Callable[[str, bool], jax.Array], run_reference: Callable[[], jax.Array]):
-    """Build ``op`` per implementation and lowering platform; ``build(target, interpret)`` runs the kernel.
+    """Build ``op`` per implementation and platform; ``build(target, interpret)`` runs the kernel.
 
-    ``target`` given, or ``interpret`` resolving to True: one body (as :func:`dispatch`). Otherwise the body is
-    chosen per lowering platform with ``jax.lax.platform_dependent``: cuda/rocm -> the Triton body, tpu -> the
-    Mosaic body, other platforms -> interpret mode (``impl="pallas"`` with ``interpret=None``) or the reference.
-    ``impl="auto"`` then means the kernel on GPU/TPU and the reference elsewhere, whatever the default backend;
-    ``impl="pallas"`` raises :class:`UnsupportedShapeError` only for the default backend's body (a refused
-    shape in another platform's branch is recorded as a fallback there).
+    * ``target`` given, or ``interpret=True``: that one body (as :func:`dispatch`).
+    * default backend GPU or TPU: that backend's body (``"auto"`` falls back to the reference on a refused shape).
+    * default backend CPU: ``impl="auto"`` is the reference; ``impl="pallas"`` chooses the body per *lowering*
+      platform with ``jax.lax.platform_dependent`` (cuda/rocm -> Triton, tpu -> Mosaic, other platforms ->
+      interpret mode), so ``jax.export(..., platforms=["tpu"])`` from a CPU process builds the Mosaic body without
+      ``target=``. Every branch is traced: a shape an accelerator branch refuses there falls back to the
+      reference in that branch (recorded and logged); only the CPU (interpret) branch raises.
+      ``"auto"`` does not trace the kernel bodies on a CPU, which keeps CPU model tracing as cheap as before.
     """
     if impl not in ("auto", "pallas", "reference"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
-    if impl == "reference":
+    if impl == "reference" or (impl == "auto" and backend() == "cpu" and target is None and interpret is None):
         record(op, "any", "reference")
         return run_reference()
-    if target is not None or interpret is True:
+    if target is not None or interpret is True or backend() != "cpu":
         tgt = resolve_target(target)
         return dispatch(impl, lambda: build(tgt, resolve_interpret(interpret)), run_reference, op=op,
                         platform=tgt)
 
     def branch(platform, tgt):
-        # every branch is traced; impl="pallas" is strict (raises on a refused shape) for the default backend's
-        # platform only, the others fall back to the reference (recorded and logged) so that e.g. a shape the
-        # TPU body refuses does not break a GPU run
-        strict = impl == "pallas" and backend() == tgt
-
-        def run():
-            return _pallas_or_fallback(op, platform, strict, lambda: build(tgt, False), run_reference)
-        return run
+        return lambda: _pallas_or_fallback(op, platform, False, lambda: build(tgt, False), run_reference)
 
     def default():
-        if impl == "pallas" and interpret is None:
-            return dispatch("pallas", lambda: build("gpu", True), run_reference, op=op, platform="default")
+        if interpret is None:
+            return _pallas_or_fallback(op, "default", True, lambda: build("gpu", True), run_reference)
         record(op, "default", "reference")
         return run_reference()
 
