@@ -165,12 +165,11 @@ class PrefillBlocks:
 
 
 def prefill_blocks(target: str, t: int, s: int) -> PrefillBlocks:
-    """Flash-prefill tiles for T queries over S keys.
+    """Flash-prefill tiles for T queries over S keys (GPU and TPU sizes are starting points, not tuned on a device).
 
-    reference (XLA on the CPU): 512 x 512 keeps the per-step logits at 1 MiB per head while the loop overhead
-    stays small; short sequences use one block. GPU: 64 x 64 (f32 accumulators of 64 x head_dim per program fit
-    the register file at head_dim 192 / 256 with 4 warps). TPU: 256 x 512 ((8, 128)-aligned, VMEM per step
-    ~ (bq + 2 * bk) * d * 2 double buffers + bq * bk * 4 f32 logits ~ 3 MiB at d = 192, far under the limit).
+    reference (XLA on the CPU): 512 x 512, the per-step f32 logits are 1 MiB per head; short sequences use one
+    block. GPU: 64 x 64 with 4 warps (powers of two for Triton). TPU: 256 x 512, (8, 128)-aligned; VMEM per step
+    ~ 2 buffers x (bq + 2 bk) x d x 2 bytes + bq x bk x 4 bytes of logits ~ 3 MiB at d = 192, under the limit.
     """
     if target == "reference":
         return PrefillBlocks(min(512, t), min(512, s))
