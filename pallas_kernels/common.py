@@ -141,6 +141,18 @@ def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | No
     return jax.lax.platform_dependent(cuda=gpu, rocm=gpu, tpu=branch("tpu", "tpu"), default=default)
 
 
+def check_gpu_fp8(what: str, dtype, interpret: bool) -> None:
+    """Raise :class:`UnsupportedShapeError` (``impl="auto"``: the reference) when the compiled Triton body would
+    convert FP8 on a GPU without FP8 conversions (compute capability < 8.9: Ampere and older). Interpret mode,
+    export from a machine without a GPU, and sm_89+ (Ada, Hopper, Blackwell) pass."""
+    if interpret or not is_fp8(dtype):
+        return
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    cc = getattr(gpus[0], "compute_capability", None) if gpus else None
+    if cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) < (8, 9):
+        raise UnsupportedShapeError(f"{what}: FP8 needs a GPU with compute capability >= 8.9, this one is {cc}")
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

@@ -20,7 +20,8 @@ applied once at the end. Two numerics, chosen by ``act_quant``:
 ``act_quant=None`` (default) means True exactly when the compiled Triton body is built (GPU, not interpret
 mode) for 16-bit activations with K % 128 == 0, False otherwise (CPU reference, interpret mode, TPU, float32
 inputs), so CPU runs keep W8A16 numerics. W8A8 uses FP8 tensor cores: Hopper (sm_90) and newer; on older
-GPUs pass ``act_quant=False`` (and FP8 weight conversion itself needs sm_89+).
+GPUs pass ``act_quant=False``. The Triton bodies convert FP8 weights in registers, which needs sm_89+ (Ada,
+Hopper and newer): on older GPUs ``impl="auto"`` uses the reference, ``"pallas"`` raises.
 
 Grouped (MoE) kernel ``fp8_grouped_matmul``: the same tile body on expert-aligned row tiles
 (:mod:`pallas_kernels.moe_tiles`): each program reads one expert's ``[K, bn]`` FP8 tile and its scales and
@@ -45,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import moe_tiles, tuning
-from pallas_kernels.common import UnsupportedShapeError, cdiv, compute_dtype, dispatch_kernel, dot_nn
+from pallas_kernels.common import UnsupportedShapeError, cdiv, check_gpu_fp8, compute_dtype, dispatch_kernel, dot_nn
 
 E4M3_MAX = 448.0
 ACT_BLOCK = 128  # columns per dynamic activation scale (1 x 128 per token)
@@ -182,7 +183,7 @@ def _grouped_kernel(te_ref, tv_ref, *refs, tile_axis, bk, bks, bn_per_scale, per
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _plan(m, k, n, w: Fp8Weight, x_dtype, act_quant: bool, target: str):
+def _plan(m, k, n, w: Fp8Weight, x_dtype, act_quant: bool, target: str, interpret: bool):
     """-> (bm, bn, bk, kernel kwargs) after the shape checks shared by the dense and grouped kernels."""
     bks, bns = w.block
     per_channel = (bks, bns) == (k, 1)
@@ -194,6 +195,8 @@ def _plan(m, k, n, w: Fp8Weight, x_dtype, act_quant: bool, target: str):
     vmem = tuning.fp8_vmem_bytes(blk, k, jnp.dtype(x_dtype).itemsize)
     if target == "tpu" and vmem > tuning.TPU_VMEM_LIMIT_BYTES:
         raise UnsupportedShapeError(f"FP8 TPU kernel would need {vmem >> 20} MiB of VMEM for K={k}")
+    if target == "gpu":
+        check_gpu_fp8("Triton FP8 matmul", w.q.dtype, interpret)
     if act_quant and k % ACT_BLOCK:
         raise UnsupportedShapeError(f"FP8 activations need K % {ACT_BLOCK} == 0, got K={k}")
     bk = math.gcd(blk.bk, ACT_BLOCK) if act_quant else blk.bk
@@ -219,7 +222,7 @@ def _gpu_params(bm: int):
 def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
     m, k = x2.shape
     n = w.q.shape[-1]
-    bm, bn, kw = _plan(m, k, n, w, x2.dtype, act_quant, target)
+    bm, bn, kw = _plan(m, k, n, w, x2.dtype, act_quant, target, interpret)
     mp = cdiv(m, bm) * bm
     args, in_specs = _x_args(jnp.pad(x2, ((0, mp - m), (0, 0))), act_quant,
                              lambda cols: pl.BlockSpec((bm, cols), lambda i, j: (i, 0)))
@@ -252,7 +255,7 @@ def _forward(x2, w: Fp8Weight, act_quant: bool, target: str, interpret: bool):
 def _grouped_forward(x, w: Fp8Weight, group_sizes, act_quant: bool, target: str, interpret: bool):
     m, k = x.shape
     num_groups, _, n = w.q.shape
-    bm, bn, kw = _plan(cdiv(m, num_groups), k, n, w, x.dtype, act_quant, target)  # bm from rows per expert
+    bm, bn, kw = _plan(cdiv(m, num_groups), k, n, w, x.dtype, act_quant, target, interpret)  # bm: rows per expert
     tile_expert, tile_valid, src, dest = moe_tiles.align_rows(group_sizes, m, bm)
     t = tile_expert.shape[0]
     scale = w.scale.astype(jnp.float32)  # [E, nk, nn]

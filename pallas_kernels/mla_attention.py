@@ -19,9 +19,9 @@ Kernels (same backend choices and reasons as :mod:`pallas_kernels.paged_attentio
   FP8 token scale folded into the logits and into the probabilities. With H <= 64 (Kimi K2: 64 heads) every
   head is in one block, so each latent page is read once per row, as FlashMLA does; split-K over the pages
   supplies the parallelism. Needs power-of-two page_size, kv_lora_rank and rope_dim (512 and 64 in every
-  Kimi/DeepSeek/GLM config). FP8 latents are converted to the compute dtype in registers; the FP8 -> 16-bit
-  conversion instructions exist on Hopper (sm_90) and newer, so FP8 pages need Hopper+ (on older GPUs
-  ``impl="auto"`` cannot help: use bf16 pages there).
+  Kimi/DeepSeek/GLM config). FP8 latents are converted to the compute dtype in registers, which needs the
+  FP8 conversions of sm_89+ (Ada, Hopper and newer); on older GPUs ``impl="auto"`` uses the reference for FP8
+  pages and ``"pallas"`` raises :class:`~pallas_kernels.common.UnsupportedShapeError`.
 * TPU, Mosaic: grid (row, page block) with scalar-prefetched lengths and page table; all heads of a row
   share each page DMA, and each page of a row is fetched once (blocks past the length repeat a fetched page; a row
   shorter than ``pages_per_block`` pages re-reads its last page per unused operand).
@@ -42,6 +42,7 @@ from pallas_kernels import tuning
 from pallas_kernels.common import (
     NEG_INF,
     UnsupportedShapeError,
+    check_gpu_fp8,
     combine_splits,
     compute_dtype,
     dequantize_pages,
@@ -151,6 +152,7 @@ def _gpu_forward(q_latent, q_rope, pages, pt, lengths, scales, sm_scale, interpr
     if not (is_pow2(s) and is_pow2(r) and is_pow2(rope) and min(r, rope) >= 16):
         raise UnsupportedShapeError(f"Triton MLA needs power-of-two page_size, kv_lora_rank, rope_dim (>= 16); "
                                     f"got {s}, {r}, {rope}")
+    check_gpu_fp8("Triton MLA", pages.dtype, interpret)
     blk = tuning.mla_gpu(b, h, s, pt.shape[1])
     bh = blk.block_h
     hp = max(bh, 1 << (h - 1).bit_length())

@@ -23,7 +23,8 @@ update of :mod:`pallas_kernels.common`:
   Why Triton and not Mosaic GPU: the page gather is an indexed pointer load in Triton, while Mosaic GPU
   needs one TMA copy per page, warpgroup-sized (64-row) WGMMA tiles that a decode step (1..8 query heads
   per KV head) cannot fill, and Hopper-only code; the Triton kernel runs BF16/F32 pages on Ampere and
-  Hopper (FP8 pages need the FP8 -> 16-bit conversions of Hopper (sm_90) and newer), lowers from a CPU
+  Hopper (FP8 pages need the FP8 conversions of sm_89+, Ada/Hopper and newer; on older GPUs ``impl="auto"``
+  uses the reference for FP8 pages, ``"pallas"`` raises), lowers from a CPU
   machine, and its body is exactly what interpret mode tests on the CPU. Triton is deprecated from jax 0.11
   (this project pins 0.10.2); the body is small and isolated so a Mosaic GPU port can replace it.
   FP8: K is upcast to the query dtype for the tensor-core dot and its scale is folded into the
@@ -49,6 +50,7 @@ from pallas_kernels import tuning
 from pallas_kernels.common import (
     NEG_INF,
     UnsupportedShapeError,
+    check_gpu_fp8,
     combine_splits,
     compute_dtype,
     dequantize_pages,
@@ -163,6 +165,7 @@ def _gpu_forward(q, k_pages, v_pages, pt, lengths, k_scales, v_scales, sm_scale,
     if not (is_pow2(s) and is_pow2(d) and d >= 16):
         raise UnsupportedShapeError(f"Triton paged attention needs power-of-two page_size and head_dim >= 16; "
                                     f"got page_size={s}, head_dim={d}")
+    check_gpu_fp8("Triton paged attention", k_pages.dtype, interpret)
     blk = tuning.gqa_gpu(b, hkv, s, pt.shape[1])
     gp = max(blk.block_h, 1 << (g - 1).bit_length())
     pt = jnp.pad(pt, ((0, 0), (0, blk.num_splits * blk.pages_per_split - pt.shape[1])))

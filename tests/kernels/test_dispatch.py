@@ -1,20 +1,24 @@
 """Kernel dispatch: the body is chosen per lowering platform (jax.export for tpu / cuda from this CPU process builds
 Mosaic / Triton without ``target=``), fallbacks to the reference are counted and logged with their reason, and
-float32 dots inside kernels run at HIGHEST precision (bf16 ones at the default)."""
+float32 dots inside kernels run at HIGHEST precision (bf16 ones at the default); FP8 on a GPU without FP8
+conversions (compute capability < 8.9) is a refused shape, not a compile error."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import export
 
 from pallas_kernels import common
 from pallas_kernels.int4_matmul import int4_matmul, quantize_int4
+from pallas_kernels.paged_attention import paged_decode_attention
 
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -62,3 +66,22 @@ def test_float32_dots_in_kernels_are_highest_precision():
         x = jnp.asarray(rng.standard_normal((4, 256)), dtype)
         jaxpr = str(jax.make_jaxpr(functools.partial(int4_matmul, impl="pallas", interpret=True, target="gpu"))(x, w))
         assert ("precision=(Precision.HIGHEST" in jaxpr) == want
+
+
+@pytest.mark.parametrize("cc,refused", [("8.0", True), ("8.6", True), ("8.9", False), ("9.0", False)])
+def test_fp8_pages_are_refused_on_gpus_without_fp8_conversions(monkeypatch, cc, refused):
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability=cc)
+    monkeypatch.setattr(jax, "devices", lambda *a: [gpu])
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 8, 128)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((4, 16, 2, 128)), jnp.float8_e4m3fn)
+    sc = jnp.asarray(rng.uniform(0.5, 1.0, (4, 16, 2)), jnp.float32)
+    pt, lens = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([20, 7], jnp.int32)
+    fn = functools.partial(paged_decode_attention, k_scales=sc, v_scales=sc, impl="pallas", interpret=False,
+                           target="gpu")
+    if refused:
+        with pytest.raises(common.UnsupportedShapeError, match="compute capability >= 8.9"):
+            jax.eval_shape(fn, q, kv, kv, pt, lens)
+    else:
+        assert jax.eval_shape(fn, q, kv, kv, pt, lens).shape == q.shape
+    common.check_gpu_fp8("bf16 pages", jnp.bfloat16, False)  # 16-bit pages are fine on any GPU
