@@ -163,7 +163,8 @@ def test_int4_split_k_reads_each_weight_byte_once_and_fills_the_gpu(monkeypatch)
 
 @pytest.mark.parametrize("kind", ["int4", "fp8-block", "fp8-channel"])
 def test_grouped_kernels_read_only_routed_experts_once(monkeypatch, kind):
-    """TPU bodies (their BlockSpecs select the expert; the GPU bodies index the expert inside the program)."""
+    """TPU bodies: their BlockSpecs select the expert (scalar-prefetched ids). GPU bodies pass every expert's N tile
+    and each used tile's program reads its expert's [K, bn] slice (unused tiles read nothing): counted per program."""
     rng = np.random.default_rng(19)
     sizes = [3, 0, 13, 0]  # 16 decode rows on 2 of 4 local experts
     used = np.asarray([e for e, s in enumerate(sizes) if s])
@@ -182,10 +183,15 @@ def test_grouped_kernels_read_only_routed_experts_once(monkeypatch, kind):
         data, scales, fn = w.q, w.scale, fp8_grouped_matmul
     with record_calls(monkeypatch) as calls:
         fn(x, w, gs, impl="pallas", interpret=True, target="tpu")
-    (call,) = calls
-    reads = read_bytes(call)
+        fn(x, w, gs, impl="pallas", interpret=True, target="gpu")
+    tpu, gpu = calls
+    reads = read_bytes(tpu)
     assert reads[-2] == nbytes(data[used])  # routed experts' weights, each byte once
     assert reads[-1] == nbytes(scales[used])
+    used_tiles, (_, n_tiles) = int(np.sum(gpu.inputs[1])), gpu.grid
+    w_spec = gpu.in_specs[-2]
+    per_program = int(np.prod(w_spec.block_shape[1:])) * data.dtype.itemsize  # one expert's [K, bn] tile
+    assert used_tiles == len(used) and used_tiles * n_tiles * per_program == nbytes(data[used])
 
 
 def test_mla_reads_each_latent_page_once_for_all_heads(monkeypatch):
