@@ -230,9 +230,40 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Markdown: each (model, batch) row of two profiles side by side, ms per step ``before -> after``."""
+    b_rows = {(r["model"], r["batch"]): r["ms"] for r in before["rows"]}
+    keys = [*COMPONENTS, "op time", "wall"]
+    lines = [f"# Decode step profile: {before['label']} -> {after['label']}", "",
+             "ms per step by component (op time summed over XLA's threads; `wall` is the step's wall time), "
+             "before -> after, from the two committed JSON files; grouping rules in "
+             "`phaseserve/bench/profile_decode.py`. Load average at start: before "
+             f"{before['environment']['load_average_1m_5m_15m']}, after "
+             f"{after['environment']['load_average_1m_5m_15m']} on {after['environment']['cpu_cores']} cores "
+             "(a shared machine: absolute times move with the load).",
+             "", "| model | batch | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    for r in after["rows"]:
+        old = b_rows.get((r["model"], r["batch"]))
+        if old is None:
+            continue
+        cells = [f"{fmt(old[k], 2)} -> {fmt(r['ms'][k], 2)}" for k in keys]
+        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(cells) + " |")
+    growth = {g["model"]: g for g in before.get("pool_growth", [])}
+    if after.get("pool_growth"):
+        lines += ["", f"Pool 100x at a fixed real context ({after['kv']} KV; step ms ratio 100x / 1x, median of the "
+                  "interleaved steps):", ""]
+        for g in after["pool_growth"]:
+            old = growth.get(g["model"])
+            lines.append(f"- {g['model']}, batch {g['batch']}: {fmt(old['ratio'], 3) if old else '–'} -> "
+                         f"{fmt(g['ratio'], 3)}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="only write --out.md comparing two profile JSON files")
     ap.add_argument("--label", default="")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
@@ -241,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv", default="float32", help="KV storage dtype (float32, bfloat16, float8_e4m3fn)")
     ap.add_argument("--pool-growth", action="store_true", help="also time the step with a 100x pool")
     a = ap.parse_args(argv)
+    if a.compare:
+        before, after = (json.loads(Path(f).read_text()) for f in a.compare)
+        Path(a.out).with_suffix(".md").write_text(compare(before, after))
+        return
     result: dict[str, Any] = {"label": a.label or Path(a.out).name, "context": a.context, "kv": a.kv,
                               "environment": environment(), "rows": [], "pool_growth": []}
     for name in a.models:

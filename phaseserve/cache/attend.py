@@ -60,7 +60,8 @@ class PagedAttend:
             pages = write_token_layer(pages, kv, pt, self.positions, self.write)
         with jax.named_scope("attention"):
             read = pages
-            if resolve_impl(self.impl) == "reference":  # see rows_view
+            narrow = any(a.dtype.itemsize < 4 for a in jax.tree.leaves(pages))
+            if narrow and resolve_impl(self.impl) == "reference":  # see rows_view
                 read, pt = rows_view(pages, pt)
             if isinstance(pages, MLAPages):
                 q_latent, q_rope = q

@@ -104,7 +104,8 @@ def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Arr
     n = x.shape[0]
     gates = jnp.zeros((n, cfg.num_experts), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)  # [N, E]
     w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
-    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, w_gate)) * jnp.einsum("nd,edf->enf", x, w_up)
+    xe = jnp.broadcast_to(x, (cfg.num_experts, *x.shape))  # [E, N, D]: a batched matmul reads w [E, D, F] as laid out
+    h = jax.nn.silu(jnp.einsum("end,edf->enf", xe, w_gate)) * jnp.einsum("end,edf->enf", xe, w_up)
     y = jnp.einsum("enf,efd->end", h, w_down)
     return jnp.einsum("end,ne->nd", y, gates).astype(x.dtype), jnp.float32(0)
 
