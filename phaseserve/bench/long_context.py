@@ -184,6 +184,7 @@ def summarize(rows: list[dict]) -> dict:
 def markdown(rows: list[dict], summary: dict) -> str:
     lines = ["# Long-context prefill: memory and efficiency of one prefill", "",
              "One T-token prompt, batch 1, float32 random weights, one subprocess per point (CPU, shared 2 cores).",
+             "Seconds: median [min, max] of the timed runs; GFLOP/s and tok/s from the median.",
              "", "| variant | heads x layers | T | XLA temporaries MiB | peak RSS MiB | seconds | GFLOP | GFLOP/s "
              "| tok/s | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     def rss(r):
@@ -192,12 +193,18 @@ def markdown(rows: list[dict], summary: dict) -> str:
         part = r.get("peak_rss_bytes_partial")
         return "-" if part is None else f">= {part / 2**20:,.1f} (at the kill)"
 
+    def seconds(r):
+        runs = r.get("seconds_all") or []
+        if len(runs) < 2:
+            return "-" if r.get("seconds") is None else f"{r['seconds']:.1f}"
+        return f"{r['seconds']:.1f} [{min(runs):.1f}, {max(runs):.1f}]"
+
     for r in rows:
         def num(key, fmt, scale=1.0, r=r):
             return "-" if r.get(key) is None else fmt.format(r[key] / scale)
         lines.append(f"| {r['variant']} | {r.get('heads', '-')} x {r.get('layers', '-')} | {r['T']} | "
                      f"{num('temp_bytes', '{:,.1f}', 2**20)} | {rss(r)} | "
-                     f"{num('seconds', '{:.1f}')} | {num('flops', '{:,.1f}', 1e9)} | "
+                     f"{seconds(r)} | {num('flops', '{:,.1f}', 1e9)} | "
                      f"{num('flops_per_s', '{:.2f}', 1e9)} | "
                      f"{num('tokens_per_s', '{:,.0f}')} | {r['status']} |")
     lines += ["", "| ratio | measured | limit |", "|---|---|---|"]
@@ -249,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--point", nargs=2, metavar=("VARIANT", "T"), help="(internal) measure one point and exit")
     ap.add_argument("--out", default="benchmarks/long_context", help="directory for the JSON and markdown")
+    ap.add_argument("--render", action="store_true", help="re-render long_context.md from the JSON in --out")
     ap.add_argument("--only", nargs="*", default=None, help="variant:T points to run (default: all)")
     args = ap.parse_args(argv)
     if args.point:
         measure_point(args.point[0], int(args.point[1]))
+        return 0
+    if args.render:
+        data = json.loads((Path(args.out) / "long_context.json").read_text())
+        (Path(args.out) / "long_context.md").write_text(markdown(data["points"], summarize(data["points"])))
         return 0
     run_and_write([p for p in POINTS if args.only is None or f"{p[0]}:{p[1]}" in args.only], Path(args.out))
     return 0
