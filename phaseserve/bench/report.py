@@ -109,6 +109,18 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: Path, title: str, *, grid_axis: str, legend: dict | None = None) -> Path:
+    """Title (wrapped), grid, legend, layout; write ``path`` and close the figure."""
+    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+    ax.legend(**(legend or dict(fontsize=8)))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def line_plot(path: Path, series: dict[str, tuple[list, list, list | None, list | None]], *, xlabel: str,
               ylabel: str, title: str, logx: bool = True, hlines: dict[str, float] | None = None,
               styles: dict[str, dict] | None = None) -> Path:
@@ -141,14 +153,7 @@ def line_plot(path: Path, series: dict[str, tuple[list, list, list | None, list 
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title, grid_axis="both")
 
 
 def bar_plot(path: Path, groups: list[str], bars: dict[str, tuple[list, list | None, list | None]], *,
@@ -167,14 +172,7 @@ def bar_plot(path: Path, groups: list[str], bars: dict[str, tuple[list, list | N
         ax.bar(xs + (i - (len(bars) - 1) / 2) * width, v, width, yerr=err, capsize=3, label=name)
     ax.set_xticks(xs, groups)
     ax.set_ylabel(ylabel)
-    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title, grid_axis="y")
 
 
 def metric_series(agg: dict, metric: str, arms: list[str], points: list) -> dict:
@@ -219,11 +217,4 @@ def kv_tokens_plot(path: Path, rows: list[dict], *, title: str) -> Path:
     ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("resident KV tokens per replica")
-    ax.set_title("\n".join(textwrap.wrap(title, 64)), fontsize=9)
-    ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, title, grid_axis="x", legend=dict(fontsize=7, loc="lower right"))
