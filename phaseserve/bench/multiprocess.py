@@ -31,22 +31,12 @@ from phaseserve.bench import report as rp
 from phaseserve.bench.measure import aggregate, environment, paired, rotated
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import canonical_dtype
-from phaseserve.config_hydra import as_list, hf_dict, repo_path, serve_config, to_container
+from phaseserve.config_hydra import as_list, serve_config, to_container
 from phaseserve.engine import Engine, Request
 from phaseserve.markdown import fmt
 
 ARMS = ["one process", "two processes"]
 WIRE_LENGTHS = [5, 16, 27, 32, 40]  # a partly filled last page, exact pages (page size 16)
-
-
-def model_spec(cfg: DictConfig) -> Any:
-    """The servers' :class:`~phaseserve.serving.ModelSpec` of the composed model (checkpoint or random weights)."""
-    from phaseserve.serving import ModelSpec
-
-    m = cfg.model
-    if m.get("checkpoint"):
-        return ModelSpec(checkpoint=str(repo_path(m.checkpoint)), dtype=str(m.dtype))
-    return ModelSpec(hf_config=hf_dict(m), seed=int(m.get("seed") or 0), dtype=str(m.dtype))
 
 
 def requests(tag: str, n: int, prompt: int, new: int, vocab: int, seed: int) -> list[Request]:
@@ -70,7 +60,9 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
 
     spec, out_dir = cfg.experiment, Path(out_dir)
     env = environment()
-    mspec = model_spec(cfg)
+    from phaseserve.serving import ModelSpec
+
+    mspec = ModelSpec.from_hydra(cfg)
     model_cfg, params = mspec.load()
     base = serve_config(cfg, model_cfg)
     concs = [int(c) for c in as_list(spec.concurrency)]

@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from phaseserve.config import ConfigError
-from phaseserve.config_hydra import hf_dict, repo_path, serve_config
+from phaseserve.config_hydra import repo_path, serve_config
 from phaseserve.data.tokenizer import ByteTokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -66,9 +66,7 @@ def build_backend(cfg: DictConfig) -> Any:
     from phaseserve.serving import ModelSpec, Router, ServerSpec
     from phaseserve.serving.router import model_config
 
-    m = cfg.model
-    mspec = (ModelSpec(checkpoint=str(repo_path(m.checkpoint)), dtype=str(m.dtype)) if m.get("checkpoint") else
-             ModelSpec(hf_config=hf_dict(m), seed=int(m.get("seed") or 0), dtype=str(m.dtype)))
+    mspec = ModelSpec.from_hydra(cfg)
     serve = serve_config(cfg, model_config(ServerSpec(model=mspec, serve=None)))
     return RouterBackend(Router(ServerSpec(model=mspec, serve=serve), ServerSpec(model=mspec, serve=serve)))
 

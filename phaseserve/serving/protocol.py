@@ -146,6 +146,16 @@ class ModelSpec:
     seed: int = 0
     dtype: str = "float32"
 
+    @classmethod
+    def from_hydra(cls, cfg: Any) -> ModelSpec:
+        """The spec of a composed Hydra tree's ``model`` group (checkpoint, or an HF config + seed)."""
+        from phaseserve.config_hydra import hf_dict, repo_path
+
+        m = cfg.model
+        if m.get("checkpoint"):
+            return cls(checkpoint=str(repo_path(m.checkpoint)), dtype=str(m.dtype))
+        return cls(hf_config=hf_dict(m), seed=int(m.get("seed") or 0), dtype=str(m.dtype))
+
     def load(self):
         import jax
 
