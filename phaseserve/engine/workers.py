@@ -174,6 +174,8 @@ class DecodeWorker:
         """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""
         b, ids = bucket(len(rows)), [s.id for s in rows]
         pt, expected, live = self.tables.batch(ids, pad_to=b)
+        width = min(bucket(int(live.max(initial=1)), 4), pt.shape[1])  # the table as wide as the rows' pages (bucketed)
+        pt, expected = pt[:, :width], expected[:, :width]  # so the step reads what the rows hold, not the per-row cap
         tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
         for i, s in enumerate(rows):
             tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
