@@ -152,7 +152,11 @@ def slot_indices(page_table: jax.Array, positions: jax.Array, valid: jax.Array, 
 def _scatter_bits(data: jax.Array, flat: jax.Array, values: jax.Array) -> jax.Array:
     """``data.at[flat].set(values, mode="drop")`` on the raw bits for sub-32-bit storage: XLA:CPU has no FP8 (or
     BF16) scatter and would convert the *whole* pool to f16 and back every step; an unsigned-integer scatter of the
-    same width writes in place. data [M, ...], flat i32[n], values [n, ...] in data's dtype."""
+    same width writes in place. One row (n == 1) gets a second, dropped row: XLA turns a one-index scatter into a
+    dynamic-update-slice that copies the whole array. data [M, ...], flat i32[n], values [n, ...] in data's dtype."""
+    if flat.shape[0] == 1:
+        flat = jnp.concatenate([flat, jnp.full((1,), data.shape[0], flat.dtype)])
+        values = jnp.concatenate([values, values])
     if data.dtype.itemsize >= 4:
         return data.at[flat].set(values, mode="drop")
     bits = jnp.dtype(f"uint{8 * data.dtype.itemsize}")

@@ -98,20 +98,21 @@ def pool_sized_ops(hlo: str, elements: set[int], ops: tuple[str, ...] = ("copy",
     return bad
 
 
-def _step_hlo(cfg, kv):
+def _step_hlo(cfg, kv, b=3):
     num_pages = 97  # a size no weight has
     pool = init_pool(cfg, num_pages, S, kv)
     params = init_params(cfg, jax.random.key(0))
-    batch = _batch(cfg, 3, 4, num_pages, np.random.default_rng(0))
+    batch = _batch(cfg, b, 4, num_pages, np.random.default_rng(0))
     step = jax.jit(lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=IntegrityTracker),
                    donate_argnums=(1,))
-    hlo = step.lower(params, pool, batch, jnp.ones(3, bool)).compile().as_text()
+    hlo = step.lower(params, pool, batch, jnp.ones(b, bool)).compile().as_text()
     return hlo, pool, {int(np.prod(x.shape)) for x in jax.tree.leaves(pool)}
 
 
-@pytest.mark.parametrize("cfg", [MLA, GQA], ids=["mla", "gqa"])
-def test_step_hlo_has_no_pool_sized_copy_float32(cfg):
-    hlo, pool, elements = _step_hlo(cfg, "float32")
+@pytest.mark.parametrize("cfg,b", [(MLA, 1), (GQA, 1), (MLA, 3)], ids=["mla-b1", "gqa-b1", "mla-b3"])
+def test_step_hlo_has_no_pool_sized_copy_float32(cfg, b):
+    """Batch 1 included: a one-row scatter became a dynamic-update-slice with whole-pool copies."""
+    hlo, pool, elements = _step_hlo(cfg, "float32", b)
     assert pool_sized_ops(hlo, elements) == []
     # every pool array is updated in place: aliased input -> output
     aliases = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*\w+=", hlo)
