@@ -107,8 +107,11 @@ register(_Tap, QuantOps(dense=lambda x, t: t.matmul(x), grouped_dense=lambda x, 
 
 def collect_calibration(params: Any, cfg: ModelConfig, tokens: Any, batch_size: int = 8) -> Calibration:
     """Input statistics of every matmul weight over ``tokens`` i32[S, T] (a small calibration set), from the
-    real ``transformer.forward`` (jitted once per batch shape)."""
-    from phaseserve.model.transformer import forward
+    real forward (jitted once per batch shape). The MoE layers run the ragged dispatch, whatever the backend's
+    default: it is the one that multiplies every routed token by its expert's weight (``grouped_dense``), so each
+    expert's statistics are recorded; the gathered and dense CPU dispatches dequantize the weights instead."""
+    from phaseserve.model.moe import ragged_experts
+    from phaseserve.model.transformer import forward_with_moe_stats
 
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[0] == 0:
@@ -121,12 +124,12 @@ def collect_calibration(params: Any, cfg: ModelConfig, tokens: Any, batch_size: 
         return x
 
     tapped = jax.tree_util.tree_map_with_path(tap, params)
-    run = jax.jit(forward, static_argnums=1)
+    run = jax.jit(lambda p, t: forward_with_moe_stats(p, cfg, t, ragged_experts)[0])
     cal = Calibration()
     _SINK.append(cal)
     try:
         for i in range(0, tokens.shape[0], batch_size):
-            jax.block_until_ready(run(tapped, cfg, jnp.asarray(tokens[i:i + batch_size])))
+            jax.block_until_ready(run(tapped, jnp.asarray(tokens[i:i + batch_size])))
         jax.effects_barrier()
     finally:
         _SINK.pop()
