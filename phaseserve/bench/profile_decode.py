@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--kv", default="float32", help="KV storage dtype (float32, bfloat16, float8_e4m3fn)")
     ap.add_argument("--pool-growth", action="store_true", help="also time the step with a 100x pool")
+    ap.add_argument("--growth-batches", nargs="+", type=int, default=[8], help="batch sizes of --pool-growth")
+    ap.add_argument("--growth-only", action="store_true", help="skip the per-op profile (with --pool-growth)")
     a = ap.parse_args(argv)
     if a.compare:
         before, after = (json.loads(Path(f).read_text()) for f in a.compare)
@@ -281,14 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     for name in a.models:
         cfg = model_config(name)
         result.setdefault("params", {})[name] = param_count(init_params(cfg, jax.random.key(0)))
-        for b in a.batches:
+        for b in [] if a.growth_only else a.batches:
             ms = profile_point(cfg, b, steps=a.steps, context=a.context, kv_dtype=a.kv)
             result["rows"].append({"model": name, "batch": b, "ms": ms})
             print(name, b, {k: round(v, 2) for k, v in ms.items()}, flush=True)
-        if a.pool_growth:
-            g = pool_growth(cfg, 8, context=a.context, kv_dtype=a.kv)
-            result["pool_growth"].append({"model": name, "batch": 8, **g})
-            print(name, "pool growth", g, flush=True)
+        for b in a.growth_batches if a.pool_growth else []:
+            g = pool_growth(cfg, b, context=a.context, kv_dtype=a.kv)
+            result["pool_growth"].append({"model": name, "batch": b, **g})
+            print(name, "pool growth", b, g, flush=True)
     result["environment_end_load"] = [round(x, 2) for x in __import__("os").getloadavg()]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
