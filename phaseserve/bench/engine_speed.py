@@ -17,12 +17,13 @@ What is timed, per run:
   pages (plus the null page), which shows what the pool's size costs the decode step at each batch.
 - **transformers**: ``model.generate`` of the whole batch (tokens/s), and separately ``max_new_tokens=1`` (TTFT:
   prefill plus the first token); TPOT = (whole - TTFT) / (new_tokens - 1); torch runs with
-  ``experiment.torch_threads`` threads (default 1).
+  ``experiment.torch_threads`` threads (default null: whichever count the thread check found faster).
 
 Threads: on a machine whose cores are shared with other work, torch's OpenMP threads wait on each other when a core
 is taken, and ``generate`` with as many threads as cores can run several times slower than with one. The run
 therefore first measures transformers at batch 1 with one thread and with every core (:func:`thread_check`,
-alternated, reported), then uses ``experiment.torch_threads``; the engine uses XLA's default thread pool.
+alternated, reported), then uses ``experiment.torch_threads``, or the faster count of that check (the baseline is
+given its best setting); the engine uses XLA's default thread pool.
 
 Outputs: ``results.json`` (every record, medians with ranges, paired ratios), ``README.md``, ``tokens_per_s.png``,
 ``tpot.png``. Greedy agreement is the fraction of generated positions where the two sides chose the same token.
@@ -130,6 +131,11 @@ def thread_check(model: Any, toks: list[list[int]], new: int, rounds: int = 2) -
     return out
 
 
+def fastest_threads(check: dict[int, list[float]]) -> int:
+    """The thread count with the highest median tokens/s in a :func:`thread_check`."""
+    return max(check, key=lambda n: float(np.median(check[n])))
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return float(np.mean([x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]))
 
@@ -154,7 +160,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                                                           kv_budget_bytes=None))) for b in batches}
     data = {b: prompts(cfg, model_cfg.vocab_size, b, plen, seed=b) for b in batches}
     threads = thread_check(hf, data[min(batches)][:1], new)
-    torch.set_num_threads(int(spec.torch_threads or 1))
+    torch.set_num_threads(int(spec.torch_threads or fastest_threads(threads)))
     for b in batches:  # warm-up: every shape of every timed run, every arm
         for arm in (SHARED, SIZED):
             run_engine(engines[(arm, b)], data[b], new, f"warm{b}-")
