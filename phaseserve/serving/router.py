@@ -22,6 +22,7 @@ and :meth:`inject` (hand the decode side an arbitrary descriptor, e.g. a replay 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import queue
@@ -50,7 +51,10 @@ class Router:
     def __init__(self, prefill: ServerSpec, decode: ServerSpec, *, start_timeout_s: float = 180.0):
         self.specs = {"prefill": prefill, "decode": decode}
         self.ctx = mp.get_context("spawn")
-        self.router_q = self.ctx.Queue()
+        # One queue per server towards the router, made anew at each (re)start: a process killed while its queue's
+        # feeder thread holds the queue's write lock leaves that lock held forever, so a queue shared with the
+        # restarted server (or the peer) would swallow every later message, its "ready" included.
+        self.outboxes: dict[str, Any] = {}
         self.cfg = model_config(decode)
         self.limits = Limits.of(self.cfg, decode.serve, decode.serve.cache.num_pages, prefill.staging_pages)
         self.max_context = self.limits.max_context
@@ -73,8 +77,9 @@ class Router:
     def _start(self, role: str) -> None:
         spec = self.specs[role]
         self.inboxes[role] = inbox = self.ctx.Queue()
+        self.outboxes[role] = outbox = self.ctx.Queue()
         with child_env(spec.host_devices, spec.compilation_cache_dir):
-            proc = self.ctx.Process(target=TARGETS[role], args=(spec, inbox, self.router_q), name=f"ps-{role}",
+            proc = self.ctx.Process(target=TARGETS[role], args=(spec, inbox, outbox), name=f"ps-{role}",
                                     daemon=True)
             proc.start()
         self.procs[role] = proc
@@ -164,16 +169,22 @@ class Router:
     # ---- control plane ------------------------------------------------------------------------------------
     def poll(self, timeout: float = 0.05) -> int:
         """Relay and apply queued messages (waiting up to ``timeout`` for the first); check peers' liveness."""
-        n = 0
-        try:
-            msg = self.router_q.get(timeout=timeout) if timeout > 0 else self.router_q.get_nowait()
-            while True:
-                self._dispatch(msg)
-                n += 1
-                msg = self.router_q.get_nowait()
-        except queue.Empty:
-            pass
+        end = time.monotonic() + timeout
+        n = self._drain()
+        while n == 0 and time.monotonic() < end:  # nothing queued yet: wait up to ``timeout`` for a first message
+            time.sleep(min(0.002, max(end - time.monotonic(), 0.0)))
+            n = self._drain()
         self._check_peers()
+        return n
+
+    def _drain(self) -> int:
+        """Apply every message already queued by either server; returns how many."""
+        n = 0
+        for q in list(self.outboxes.values()):
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._dispatch(q.get_nowait())
+                    n += 1
         return n
 
     def _dispatch(self, msg: tuple) -> None:
