@@ -308,17 +308,20 @@ class Engine:
         cancels this call's unfinished requests, releasing their pages at once."""
         self._enter()
         outs: list[RequestOutput] = []
+        timed = False
         try:
             self._yielded = {}
             outs = [self.add_request(r) for r in requests]
             self.metrics.begin()
+            timed = True
             while self.has_work:
                 for rid, tok in self.step():
                     if not isinstance(self.outputs[rid].error, CancelledError):  # not cancelled meanwhile
                         self._yielded[rid] = self._yielded.get(rid, 0) + 1
                         yield rid, tok
-            self.metrics.finish()
         finally:
+            if timed:  # a stream closed early still adds its window (its tokens count in summary())
+                self.metrics.finish()
             self._yielded = None
             for o in outs:
                 if o.finish_reason is None:

@@ -173,3 +173,17 @@ def test_main_job_ends_with_what_it_measured(tmp_path):
     assert [ln.split(":")[0] for ln in lines[-5:]] == ["throughput", "TTFT", "TPOT", "KV cache", "integrity"]
     assert "336 bytes per token" in lines[-2] and " 0 aborted" in lines[-1]
     assert "Unable to initialize backend" not in out.stdout + out.stderr
+
+
+def test_a_stream_closed_early_still_counts_its_time():
+    engine = tiny()
+    engine.generate(requests("w", 1, 4))  # compile outside the measured run
+    engine.reset_metrics()
+    t = time.perf_counter()
+    stream = engine.stream(requests("s", 2, 30))
+    for _ in zip(range(6), stream, strict=False):
+        pass
+    stream.close()  # cancels the rest; the tokens handed out so far count, and so must the time they took
+    elapsed = time.perf_counter() - t
+    s = engine.summary()
+    assert s["output_tokens"] == 6 and 0 < s["wall_s"] <= elapsed
