@@ -39,6 +39,7 @@ from phaseserve.config import ModelConfig, to_dtype
 from phaseserve.model.loader import leaf_path as path_str  # one spelling of leaf paths: 'layers.3.attn.wq'
 from phaseserve.model.params import ArrayInfo, abstract_params, is_info
 from phaseserve.qarrays import is_quantized
+from phaseserve.quant.actorder import ActOrderInt4Weight
 from phaseserve.quant.policy import PolicyError, QuantPolicy, Rep, resolve_policy
 
 _NORM_NAMES = re.compile(r"(^|\.)(attn_norm|mlp_norm|final_norm|q_norm|k_norm|kv_a_norm|q_a_norm|k_norm_w|k_norm_b)$")
@@ -77,6 +78,8 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
 
 def leaf_rep(x: Any) -> str:
     """A short label of a leaf's representation: ``bfloat16``, ``fp8:b128x128``, ``int4:g32:bf16``."""
+    if isinstance(x, ActOrderInt4Weight):
+        return leaf_rep(x.w) + ":act"
     if isinstance(x, Int4Weight):
         sd = "bf16" if _dtype_name(x.scale) == "bfloat16" else "f32"
         return f"int4:g{x.group_size}:{sd}"
@@ -101,6 +104,8 @@ def target_rep(policy: QuantPolicy, path: str, ndim: int) -> Rep:
 
 def _matches(x: Any, rep: Rep) -> bool:
     if rep.kind == "int4":
+        if isinstance(x, ActOrderInt4Weight):  # a loaded GPTQ act-order weight: its nibbles are kept, not re-rounded
+            x = x.w
         return isinstance(x, Int4Weight) and x.group_size == rep.group_size and _dtype_name(x.scale) == rep.scale_dtype
     if rep.kind == "fp8":
         if not isinstance(x, Fp8Weight):

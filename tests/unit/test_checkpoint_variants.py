@@ -32,6 +32,7 @@ from phaseserve.model.loader import (
 from phaseserve.qarrays import Fp8Weight, Int4Weight, dense, dequantize, grouped_dense
 from phaseserve.quant.actorder import ActOrderInt4Weight
 from phaseserve.quant.formats import UnsupportedFormatError
+from phaseserve.quant.quantize import leaf_rep, quantize_params
 from tests.unit.quant_writers import pack_int32, tiny_deepseek
 
 WO = "model.layers.0.self_attn.o_proj.weight"  # [128, 128]
@@ -225,6 +226,21 @@ def test_act_order_g_idx_is_applied(base, tmp_path):
         mlp=params.layers[1].mlp.replace(w_down=jnp.asarray(dense_w)))])
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
     close(ps.forward(params, cfg, tokens), ps.forward(plain, cfg, tokens))
+
+
+def test_act_order_survives_a_matching_policy(base, tmp_path):
+    """The engine's per-phase copies go through ``quantize_params``: an INT4 policy with the checkpoint's group size
+    and scale dtype keeps the act-order weight as loaded (its GPTQ nibbles), rather than re-rounding its
+    dequantization with RTN; a different group size does convert it."""
+    t = dict(base[1])
+    int4_tensors(t, 81, g_idx=True)
+    _, params = ps.load_checkpoint(write(base, tmp_path / "k", t, ct_config({**INT4_G32, "actorder": "group"})))
+    w = params.layers[1].mlp.w_down
+    kept = quantize_params(params, "base=float32,routed_experts=int4:g32:bf16").layers[1].mlp.w_down
+    assert kept is w
+    assert leaf_rep(w) == "int4:g32:bf16:act"
+    moved = quantize_params(params, "base=float32,routed_experts=int4:g128:bf16").layers[1].mlp.w_down
+    assert isinstance(moved, Int4Weight) and moved.group_size == 128
 
 
 def close(got, want) -> None:
