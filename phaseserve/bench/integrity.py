@@ -45,6 +45,7 @@ from phaseserve.bench.measure import (
     progress_bar,
     stats,
 )
+from phaseserve.bench.operating_point import regime_lines
 from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
 from phaseserve.cache.faults import FaultInjector
@@ -70,6 +71,7 @@ class IntegritySpec:
     fault_prompt: int = 40
     fault_output: int = 12
     inject_at_step: int = 3  # 1-based decode step before which the fault is injected (trial t: + t)
+    curve_model: str | None = "shipped-3.8M"  # this model's decode-step curve (operating_point results): the regime
 
 
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
@@ -96,12 +98,27 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     matrix = fault_matrix(cfg, model_cfg, params, spec, log) if spec.faults and spec.fault_trackers else {}
     results = {"experiment": "integrity", "environment": env, "settings": {
         "model": to_container(cfg.model), "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv),
+        "weights": str(cfg.quant.decode_weights), "curve_model": spec.curve_model,
+        "bytes_per_step": step_bytes(model_cfg, str(cfg.quant.decode_weights), str(cfg.quant.kv), w),
         "repeats": spec.repeats, "arms": arm_names, "reference": ref, "mode": cfg.engine.mode,
         "fault_settings": {k: getattr(spec, k) for k in ("faults", "fault_trackers", "fault_trials", "fault_requests",
                                                           "fault_prompt", "fault_output", "inject_at_step")}},
         "fault_matrix": matrix, "records": records}
     publish.publish(out_dir, results, sys.modules[__name__], cfg, log)
     return results
+
+
+def step_bytes(model_cfg: Any, weights: str, kv: str, workload: Any) -> dict:
+    """What one decode step reads: the decode weights (every parameter at the weights' width; an upper bound for
+    routed experts) and one row's KV at the workload's mean context (prompt + output / 2)."""
+    from phaseserve.cache.paged import kv_bytes_per_token
+    from phaseserve.config import canonical_dtype
+    from phaseserve.model.params import abstract_params, param_count
+
+    width = {"float32": 4, "bfloat16": 2}.get(canonical_dtype(weights), 1)
+    ctx = int(workload.prompt.mean) + int(workload.output.mean) // 2
+    return {"weight_bytes": param_count(abstract_params(model_cfg)) * width, "mean_context": ctx,
+            "kv_bytes_per_row": ctx * kv_bytes_per_token(model_cfg, canonical_dtype(kv))}
 
 
 # ---- fault matrix -----------------------------------------------------------------------------------------
@@ -239,7 +256,16 @@ def summarize(res: dict, out_dir: Path | None = None) -> dict:
             verdicts.append(vd.Verdict(f"check on/off {label}, {reps} paired repeats",
                                        vd.points_text({c: deltas["on"][key][c] for c in concs}),
                                        f"within {100 * limit:g}%", vd.across(outcomes["on"][key])))
+    regime = regime_lines(s.get("curve_model") or "shipped-3.8M", s.get("weights", "bfloat16"), concs)
+    sb = s.get("bytes_per_step")
+    if sb:
+        regime.append(f"Bytes one decode step reads at the mean context ({sb['mean_context']:,} tokens): weights "
+                      f"{sb['weight_bytes'] / 1e6:.1f} MB, KV {sb['kv_bytes_per_row'] / 1e6:.2f} MB per row ("
+                      + ", ".join(f"c={c}: KV {c * sb['kv_bytes_per_row'] / sb['weight_bytes']:.2f}x the weights"
+                                  for c in concs) + "); the curve's rows hold 64 tokens, so where the KV outweighs "
+                      "the weights the step is bound by the KV read, not by the weights the curve measures.")
     return {"aggregate": agg, "deltas": deltas, "outcomes": outcomes, "verdicts": [v.to_dict() for v in verdicts],
+            "regime": regime,
             "load": stats([r.get("load_1m") for r in records]),
             "reruns": sum(r.get("reruns", 0) for r in records)}
 
@@ -271,7 +297,7 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
               f"{res['environment'].get('cpu_cores')} cores",
               "- arms: `on` = integrity check; `off` = `cache.integrity=false`, which installs the no-op tracker; "
               "`noop` = a second, independently built engine on that same code path, so `noop` vs `off` is an A/A "
-              "measurement of the noise", ""]
+              "measurement of the noise", *[f"- {x}" for x in summary.get("regime", [])], ""]
     rows = [[c, a, rp.spread(agg[a][c]["output_tok_per_s"]), rp.spread(agg[a][c]["e2e.p95"]),
              rp.spread(agg[a][c]["tpot.p95"]), rp.fmt(agg[a][c]["integrity_checks"]["median"])]
             for c in concs for a in names]

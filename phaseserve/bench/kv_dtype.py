@@ -26,6 +26,7 @@ from phaseserve.bench import publish
 from phaseserve.bench import report as rp
 from phaseserve.bench import verdict as vd
 from phaseserve.bench.measure import Arm, aggregate, build_engines, dig, environment, interleaved, paired, stats
+from phaseserve.bench.operating_point import apply_operating_point
 from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, max_length, num_requests, probe_admission
 from phaseserve.cache.paged import kv_bytes_per_page, kv_bytes_per_token
@@ -44,6 +45,7 @@ class KvDtypeSpec:
     repeats: int = 3  # interleaved repeats of the whole sweep
     probe_concurrency: int | None = None  # offered load of the admission probe; None: 2x the largest concurrency
     reference: str = "bfloat16"  # the denominator of every ratio
+    operating_point: str | None = None  # a decode-step curve (operating_point results.json): run at its chosen point
 
 
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
@@ -51,6 +53,11 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     spec: KvDtypeSpec = experiment_spec(cfg, KvDtypeSpec)
     out_dir = Path(out_dir)
     env = environment()
+    point = None
+    if spec.operating_point:  # chosen from the curve before anything is measured: the prediction comes first
+        cfg, point = apply_operating_point(cfg, spec.operating_point)
+        log(f"operating point ({point['rule']}): {point['model']}, {point['weights']} weights, BF16 KV for "
+            f"{point['batch']} requests; predicted peak gain {rp.pct(point['predicted_gain'])}")
     kvs = list(dict.fromkeys(canonical_dtype(str(k)) for k in as_list(cfg.quant.kv)))
     ref = canonical_dtype(spec.reference)
     concs = concurrencies(cfg.workload)
@@ -90,7 +97,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     results = {"experiment": "kv_dtype", "environment": env, "settings": {
         "model": to_container(cfg.model), "model_kv_width": model_cfg.kv_cache_width, "budget_bytes": budget,
         "page_size": ps_, "pages_per_request": per_req, "workload": to_container(w), "concurrency": concs,
-        "repeats": spec.repeats, "probe_concurrency": probe_n, "mode": cfg.engine.mode, "reference": ref_arm},
+        "repeats": spec.repeats, "probe_concurrency": probe_n, "mode": cfg.engine.mode, "reference": ref_arm,
+        "weights": str(cfg.quant.decode_weights), "operating_point": point},
         "arms": arms_info, "records": records}
     publish.publish(out_dir, results, sys.modules[__name__], cfg, log)
     return results
@@ -152,7 +160,52 @@ def summarize(res: dict, out_dir: Path | None = None) -> dict:
                                    vd.direction(gain, pub["peak_gain"])))
     return {"aggregate": agg, "peaks": peaks, "ratios": ratios, "headline": headline, "published": pub,
             "verdicts": [v.to_dict() for v in verdicts], "load": stats([r.get("load_1m") for r in records]),
-            "reruns": sum(r.get("reruns", 0) for r in records)}
+            "reruns": sum(r.get("reruns", 0) for r in records), "mechanism": mechanism(res, agg)}
+
+
+def mechanism(res: dict, agg: dict) -> dict:
+    """The chain's third link, measured in this run: the step time (TPOT p50, medians) of the reference at the
+    batch it admits (offered B = its saturation), of each other dtype at that batch (its own cost) and at offered
+    2B (its bigger batch). Empty where B or 2B was not offered."""
+    s, info, ref = res["settings"], res["arms"], res["settings"]["reference"]
+    b = info[ref]["admitted_at_saturation"]
+    if b not in s["concurrency"] or 2 * b not in s["concurrency"]:
+        return {}
+    t = {(n, c): agg[n][c]["tpot.p50"]["median"] for n in info for c in (b, 2 * b)}
+    out = {"batch": b, "ref_tpot_s": t[ref, b]}
+    for n in [x for x in info if x != ref]:
+        adm = agg[n][2 * b]["peak_concurrency"]["median"]
+        if not (t[ref, b] and t[n, b] and t[n, 2 * b] and adm):
+            continue
+        out[n] = {"tpot_same_batch_s": t[n, b], "own_cost": t[n, b] / t[ref, b], "tpot_double_s": t[n, 2 * b],
+                  "admitted_double": adm, "step_ratio": t[n, 2 * b] / t[ref, b],
+                  "implied_gain": (adm / b) * t[ref, b] / t[n, 2 * b]}
+    return out
+
+
+def operating_point_lines(res: dict, summary: dict) -> list[str]:
+    """The choice and its prediction (recorded before the sweep ran), then the measured mechanism."""
+    s, mech, ref = res["settings"], summary.get("mechanism") or {}, res["settings"]["reference"]
+    p = s.get("operating_point")
+    lines = []
+    if p:
+        lines += ["## Operating point (chosen from the decode-step curve before any throughput was measured)", "",
+                  f"- Rule: {p['rule']}.",
+                  f"- Curve: `{p['curve']}` (measured {p['curve_date']}, commit {p['curve_commit']}).",
+                  f"- Chosen: `{p['model']}` ({p['params'] / 1e6:.1f}M params), {p['weights']} weights; BF16 KV "
+                  f"budgeted for B = {p['batch']} requests, FP8 ~{p['fp8_batch']}; curve step "
+                  f"{1e3 * p['step_s'][0]:.2f} ms at B, {1e3 * p['step_s'][1]:.2f} ms at 2B.",
+                  f"- Prediction: FP8/BF16 peak-vs-peak gain {rp.pct(p['predicted_gain'])} (the curve's doubling "
+                  "gain, before FP8's own dequantization cost).", ""]
+    for n, m in mech.items():
+        if not isinstance(m, dict):
+            continue
+        lines += [f"Measured mechanism (TPOT p50 medians of this run): {ref} at B = {mech['batch']}: "
+                  f"{1e3 * mech['ref_tpot_s']:.2f} ms; {n} at B: {1e3 * m['tpot_same_batch_s']:.2f} ms ({n}'s own cost "
+                  f"at the same batch x{m['own_cost']:.2f}); {n} at offered 2B (admitted {m['admitted_double']:.0f}): "
+                  f"{1e3 * m['tpot_double_s']:.2f} ms (x{m['step_ratio']:.2f} of {ref}'s step at B); implied gain "
+                  f"(rows ratio x step ratio) {rp.pct(m['implied_gain'])}.", ""]
+    return lines
 
 
 def plots(out_dir: Path, res: dict, summary: dict) -> list[str]:
@@ -183,8 +236,8 @@ def plots(out_dir: Path, res: dict, summary: dict) -> list[str]:
 def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
     s, info, agg, env = res["settings"], res["arms"], summary["aggregate"], res["environment"]
     names, ref, concs, peaks = list(info), s["reference"], s["concurrency"], summary["peaks"]
-    lines = ["# KV cache dtype under one KV budget: " + " vs ".join(names), "",
-             "Verdicts (peak gain: median over repeats of each repeat's best-vs-best ratio, 95% bootstrap CI of the "
+    lines = ["# KV cache dtype under one KV budget: " + " vs ".join(names), ""] + operating_point_lines(res, summary)
+    lines += ["Verdicts (peak gain: median over repeats of each repeat's best-vs-best ratio, 95% bootstrap CI of the "
              "median, min..max):", ""]
     lines += [f"- {vd.Verdict(**v).line()}" for v in summary["verdicts"]] + [""]
     for n, h in summary["headline"].items():

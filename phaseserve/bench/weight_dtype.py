@@ -30,6 +30,7 @@ from phaseserve.bench import publish
 from phaseserve.bench import report as rp
 from phaseserve.bench import verdict as vd
 from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired, stats
+from phaseserve.bench.operating_point import regime_lines
 from phaseserve.bench.schema import experiment_spec
 from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
 from phaseserve.config_hydra import as_list, load_model, to_container
@@ -144,7 +145,8 @@ def summarize(res: dict, out_dir: Path | None = None) -> dict:
                                    rp.pct(pub["prefill_ratio"]), vd.direction(r["prefill"], pub["prefill_ratio"])))
     return {"aggregate": agg, "ratios": ratios, "bytes_per_step": byte_rows, "published": pub,
             "verdicts": [v.to_dict() for v in verdicts], "load": stats([r.get("load_1m") for r in records]),
-            "reruns": sum(r.get("reruns", 0) for r in records)}
+            "reruns": sum(r.get("reruns", 0) for r in records),
+            "regime": regime_lines(s["model"].get("name"), "bfloat16", concs)}
 
 
 def plots(out_dir: Path, res: dict, summary: dict) -> list[str]:
@@ -173,6 +175,8 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
               f"- model `{m.get('name')}`: {s['num_experts']} routed experts, {s['experts_per_token']} per token, "
               f"{s['moe_layers']} MoE layers (overrides {m.get('overrides') or {}}); mode {s['mode']}; KV {s['kv']}; "
               "each policy applies to both phases",
+              *[f"- {x} FP8 and INT4 weights are not on the curve: the BF16-weight curve of the same model is the "
+                "closest one measured." for x in summary.get("regime", [])],
               f"- decode sweep: concurrency {concs}, prompt {s['workload']['prompt']['mean']}, output "
               f"{s['workload']['output']['mean']} tokens; prefill run: {s['prefill_requests']} requests x "
               f"{s['prefill_prompt']} prompt tokens, max_tokens 1; {s['repeats']} interleaved repeats; timed runs "

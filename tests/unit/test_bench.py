@@ -34,12 +34,28 @@ def _compose(name: str = "config", overrides=()):
 
 # ---- composition ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["config", "experiment/kv_dtype", "experiment/weight_dtype", "experiment/integrity",
-                                  "experiment/reproduce"])
+                                  "experiment/reproduce", "experiment/operating_point"])
 def test_every_primary_config_composes(name):
     cfg = _compose(name)
     assert set(cfg) >= {"model", "quant", "cache", "mesh", "engine", "workload", "experiment"}
     if name != "config":
         assert cfg.experiment.name == name.split("/")[1]
+
+
+def test_integrity_at_the_published_shape_fits_its_model_and_pool():
+    """8,192-token inputs and 1,000-token outputs on the default architecture with its context raised: every
+    offered request fits the model's context, one sequence's page cap and, all at once, the pool."""
+    from phaseserve.engine.request import Limits
+
+    cfg = _compose("experiment/integrity_published")
+    w = cfg.workload
+    assert (cfg.experiment.name, w.prompt.mean, w.output.mean) == ("integrity", 8192, 1000)
+    model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
+    serve = config_hydra.serve_config(cfg, model_cfg)
+    assert Limits.of(model_cfg, serve, serve.cache.num_pages).max_context >= 8192 + 1000
+    per_req = config_hydra.pages_per_request(8192, 1000, 16)
+    assert serve.cache.num_pages - 1 >= max(w.concurrency) * per_req and serve.max_prefill_tokens >= 8192
+    assert model_cfg.hidden_size == 256 and model_cfg.num_layers == 4  # the default architecture
 
 
 def test_experiment_defaults_select_their_groups():
