@@ -310,17 +310,25 @@ def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
     assert (tmp_path / "README.md").read_text() == md and (tmp_path / "summary.json").exists()
 
 
-def test_gpu_recipe_composes_to_the_published_budget_shape():
-    """The (not yet run) one-H200 recipe: Moonlight shapes, a budget of 32 BF16 requests of 1,024 + 256 tokens."""
+def test_gpu_recipe_composes_to_the_operating_point_budget():
+    """The (not yet run) one-H200 recipe: Moonlight shapes, a budget of 256 BF16 requests of 1,024 + 256 tokens (the
+    operating-point rule on the planner's roofline curve), FP8 ~2x in the same bytes, both offered."""
+    from phaseserve.bench import operating_point as op
+
     cfg = _compose("experiment/kv_dtype", ["model=moonlight", "mesh=single", "cache=gpu_budget",
                                            "workload=gpu_kv_budget", "engine.max_prefill_tokens=16384"])
     model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
     budget = config_hydra.budget_bytes_for_requests(model_cfg, cfg)
     per_req = config_hydra.pages_per_request(1024, 256, 16)
-    assert per_req == 80 and budget == (32 * 80 + 1) * kv_bytes_per_page(model_cfg, "bfloat16", 16)
+    assert per_req == 80 and budget == (256 * 80 + 1) * kv_bytes_per_page(model_cfg, "bfloat16", 16)
     fp8_requests = (pages_for_budget(model_cfg, "float8_e4m3fn", 16, budget) - 1) // per_req
-    assert fp8_requests == 63  # 2 * 576 / (576 + 4) = 1.986x, rounded down to whole requests
-    assert budget < 2 * 2**30 and 1024 + 256 <= 128 * 16 <= model_cfg.max_position_embeddings
+    assert fp8_requests == 508  # 2 * 576 / (576 + 4) = 1.986x, rounded down to whole requests
+    assert 1024 + 256 <= 128 * 16 <= model_cfg.max_position_embeddings
+    spec = op.OperatingPointSpec()
+    assert spec.gpu_context == 1024 + 256 // 2
+    choice = op.gpu_curve(spec)["choice"]
+    assert cfg.cache.kv_budget_requests == choice["batch"] and {choice["batch"], 2 * choice["batch"]} <= set(
+        cfg.workload.concurrency)
 
 
 def _st(vals):
