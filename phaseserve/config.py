@@ -18,10 +18,10 @@ Dtypes are always spelled as strings (``"float32"``, ``"bfloat16"``, ``"float8_e
 converted to numpy/JAX dtypes in exactly one place, :func:`to_dtype`.
 
 About GLM-5 (``GlmMoeDsaForCausalLM``): its DeepSeek Sparse Attention indexer picks the ``index_topk``
-keys each query attends to. While a sequence is no longer than ``index_topk`` the indexer selects every
-causal key, so attention is exactly dense attention; phaseserve runs it that way and refuses longer
-sequences with :class:`SequenceTooLongError` until the indexer is implemented. The indexer's weights are
-still loaded (they are part of the checkpoint and count in memory plans).
+keys each query attends to (:mod:`phaseserve.model.indexer`; while a sequence is no longer than ``index_topk`` it
+selects every causal key, so attention is exactly dense attention). ``forward`` / ``prefill`` run it at any length;
+:attr:`ModelConfig.context_length` (what the engine admits) stays at ``index_topk`` until the engine's decode
+reads cached index keys.
 """
 
 from __future__ import annotations
@@ -131,10 +131,11 @@ class ModelConfig:
     topk_group: int = 1
     use_correction_bias: bool = False  # e_score_correction_bias on the router
     moe_layers: tuple[bool, ...] = ()  # per layer: True where the MLP is the MoE block
-    # GLM-5 DSA indexer (weights loaded; attention is dense while seq <= index_topk)
+    # GLM-5 DSA indexer (phaseserve.model.indexer): each query attends to the index_topk keys it scores highest
     index_topk: int | None = None
     index_n_heads: int = 0
     index_head_dim: int = 0
+    indexer_types: tuple[str, ...] = ()  # per layer "full" (runs the indexer) | "shared" (reuses the last selection)
     # Token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -152,6 +153,13 @@ class ModelConfig:
             raise ConfigError(f"num_experts={self.num_experts} not divisible by n_group={self.n_group}")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ConfigError(f"scoring_func must be 'softmax' or 'sigmoid', got {self.scoring_func!r}")
+        if self.index_topk is not None:
+            if not self.indexer_types:
+                object.__setattr__(self, "indexer_types", ("full",) * self.num_layers)
+            types = self.indexer_types
+            if len(types) != self.num_layers or set(types) - {"full", "shared"} or types[0] != "full":
+                raise ConfigError(f"indexer_types must give 'full' or 'shared' for each of the {self.num_layers} "
+                                  f"layers, the first 'full'; got {list(types)}")
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -189,8 +197,8 @@ class ModelConfig:
     def context_length(self) -> int:
         """Positions the model can attend over: ``max_position_embeddings``, or ``factor x
         original_max_position_embeddings`` where a RoPE scaling (yarn / linear / llama3) extends the original context
-        further (e.g. a Qwen3 config with ``rope_scaling`` added); GLM-5's DSA indexer is not implemented, so its
-        attention is exact only up to ``index_topk`` keys."""
+        further (e.g. a Qwen3 config with ``rope_scaling`` added); for GLM-5, ``index_topk``: the engine's decode
+        does not yet read cached DSA index keys, so its attention is exact only up to ``index_topk`` keys."""
         n = self.max_position_embeddings
         r = self.rope
         if r.kind != "default" and r.original_max_position_embeddings and r.factor > 1:
@@ -353,7 +361,7 @@ class ServeConfig:
 # DeepseekV3ForCausalLM       MLA             sigmoid grouped top-k MoE + shared experts (also ``kimi_k2``)
 # Glm4MoeForCausalLM          GQA, partial    sigmoid grouped top-k MoE + shared experts
 #                             rotary, biases
-# GlmMoeDsaForCausalLM        MLA (+ DSA      as DeepSeek-V3; dense attention while seq <= ``index_topk``
+# GlmMoeDsaForCausalLM        MLA (+ DSA      as DeepSeek-V3; per-layer ``indexer_types`` full/shared
 #                             indexer)
 # ==========================  ==============  =====================================================
 #
@@ -442,6 +450,18 @@ def _moe_layers(hf: dict, family: str, n_layers: int) -> tuple[bool, ...]:
     return (False,) * n_layers
 
 
+def _indexer_types(hf: dict, n_layers: int) -> tuple[str, ...]:
+    """GLM-5's per-layer DSA indexer mode, as transformers' ``GlmMoeDsaConfig`` derives it: ``indexer_types``, else
+    the ``index_topk_pattern`` ("FSSF..."), else every ``index_topk_freq``-th layer from ``index_skip_topk_offset``."""
+    if hf.get("indexer_types"):
+        return tuple(hf["indexer_types"])
+    pattern = hf.get("index_topk_pattern")
+    if pattern is not None:
+        return tuple({"F": "full", "S": "shared"}[c] for c in pattern) if isinstance(pattern, str) else tuple(pattern)
+    freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers))
+
+
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """Translate an HF config dict; raises :class:`UnsupportedArchitectureError` for anything else."""
     if "text_config" in hf and not hf.get("hidden_size"):
@@ -522,5 +542,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
             index_topk=int(hf.get("index_topk", 2048)),
             index_n_heads=int(hf.get("index_n_heads", 32)),
             index_head_dim=int(hf.get("index_head_dim", 128)),
+            indexer_types=_indexer_types(hf, n_layers),
         )
     return ModelConfig(**common)

@@ -10,6 +10,9 @@ Two equivalent forms:
 - weight-absorbed (decode): ``q_latent = q_nope @ W_uk^T`` so scores are ``q_latent . c + q_rope . k_rope``
   and the output stays in latent space, ``o_latent = P @ c``, projected by ``W_uv`` afterwards. Decode then
   reads only the latent pages (576 values per token for Kimi K2 / GLM-5) instead of per-head K and V.
+
+GLM-5 prompts longer than ``index_topk`` take the weight-absorbed form over the keys the DSA indexer selects
+(:mod:`phaseserve.model.indexer`).
 """
 
 from __future__ import annotations
@@ -18,31 +21,25 @@ import jax
 import jax.numpy as jnp
 
 from phaseserve.config import ModelConfig, SequenceTooLongError
+from phaseserve.model import indexer
 from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import MLAParams
 from phaseserve.qarrays import dense, dequantize
 
 
-def check_length(cfg: ModelConfig, seq_len: int) -> None:
-    """GLM-5's DSA indexer is exact dense attention only up to ``index_topk`` keys (see config.py)."""
-    if cfg.index_topk is not None and seq_len > cfg.index_topk:
-        raise SequenceTooLongError(
-            f"sequence of {seq_len} tokens exceeds index_topk={cfg.index_topk}: the DSA indexer is not "
-            "implemented, so attention is only exact (dense) up to index_topk keys"
-        )
-
-
 def queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
-    """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (rotary applied)."""
+    """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (rotary applied), and the query latent
+    ``q_resid`` [B, T, q_lora] (None without q LoRA) that the DSA indexer reads."""
     b, t, _ = x.shape
     if p.wq is not None:
-        q = dense(x, p.wq)
+        q_resid, q = None, dense(x, p.wq)
     else:
-        q = dense(rms_norm(dense(x, p.wq_a), p.q_a_norm, cfg.mla_norm_eps), p.wq_b)
+        q_resid = rms_norm(dense(x, p.wq_a), p.q_a_norm, cfg.mla_norm_eps)
+        q = dense(q_resid, p.wq_b)
     q = q.reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
-    return q_nope, apply_rope(q_rope, cos, sin, cfg.rope.interleave)
+    return q_nope, apply_rope(q_rope, cos, sin, cfg.rope.interleave), q_resid
 
 
 def latents(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -67,25 +64,48 @@ def output(p: MLAParams, x: jax.Array) -> jax.Array:
     return dense(x.reshape(b, t, -1), p.wo)
 
 
-def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None):
-    """Expanded-form causal attention. Returns (out [B, T, D], latent [B, T, kv_lora + rope] to cache)."""
-    check_length(cfg, x.shape[1])
-    q_nope, q_rope = queries(p, cfg, x, positions)
+def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None,
+            selection: jax.Array | None = None, context=None):
+    """Causal attention: x [B, T, D], positions i32[B, T], lengths i32[B] | None -> (out [B, T, D], latent
+    [B, T, kv_lora + rope] to cache, DSA selection i32[B, T, index_topk] or None).
+
+    Without a DSA indexer, or while T <= index_topk (every causal key is selected: exactly dense attention), the
+    expanded form with flash prefill; past index_topk the sparse form of :mod:`phaseserve.model.indexer`, where a
+    layer without indexer weights (``indexer_types`` "shared") reuses ``selection`` from the layer before.
+    ``context(latent) -> latent [B, S, kv_lora + rope]`` (None: the tokens themselves) gives the keys to attend over,
+    key s at position s (a prefill chunk over the request's cached latents); ``lengths`` then counts valid keys."""
+    q_nope, q_rope, q_resid = queries(p, cfg, x, positions)
     lat = latents(p, cfg, x, positions)
-    c, k_rope = lat[..., : cfg.kv_lora_rank], lat[..., cfg.kv_lora_rank:]
+    ctx = lat if context is None else context(lat)
+    c, k_rope = ctx[..., : cfg.kv_lora_rank], ctx[..., cfg.kv_lora_rank:]
     w_uk, w_uv = _kv_b(p, cfg, x.dtype)
+    if cfg.index_topk is not None and ctx.shape[1] > cfg.index_topk:
+        if context is not None:
+            raise SequenceTooLongError("a prefill chunk attending over more than index_topk cached keys needs the "
+                                       "request's cached DSA index keys, which this path does not read")
+        index = None
+        if p.indexer is not None:
+            q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x, positions)
+            index = (q_idx, w, indexer.index_keys(p.indexer, cfg, x, positions))
+        elif selection is None:
+            raise ValueError("a DSA layer without indexer weights ('shared') needs the previous layer's selection")
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+        o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx, positions, lengths, softmax_scale(cfg),
+                                                  index=index, selection=selection)
+        v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
+        return output(p, v), lat, selection
     k_nope = jnp.einsum("btr,rhn->bthn", c, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
     v = jnp.einsum("btr,rhv->bthv", c, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
     out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
-    return output(p, out), lat
+    return output(p, out), lat, None
 
 
 def absorbed_queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     """One token per row: x [B, D], positions i32[B] -> q_latent [B, H, r], q_rope [B, H, rope], latent [B, r+rope]."""
-    q_nope, q_rope = queries(p, cfg, x[:, None], positions[:, None])
+    q_nope, q_rope, _ = queries(p, cfg, x[:, None], positions[:, None])
     w_uk, _ = _kv_b(p, cfg, x.dtype)
     q_lat = jnp.einsum("bhn,rhn->bhr", q_nope[:, 0], w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
     return q_lat, q_rope[:, 0], latents(p, cfg, x[:, None], positions[:, None])[:, 0]

@@ -72,7 +72,7 @@ class GQAParams:
 
 @struct.dataclass
 class IndexerParams:
-    """GLM-5 DSA indexer weights (loaded; unused while attention is dense, see config docstring)."""
+    """GLM-5 DSA indexer weights (``phaseserve.model.indexer``); only on ``indexer_types`` "full" layers."""
 
     wq_b: Any  # [q_lora, index_heads*index_hd]
     wk: Any  # [D, index_hd]
@@ -148,13 +148,13 @@ def _gqa(cfg: ModelConfig, dt: str) -> GQAParams:
     )
 
 
-def _mla(cfg: ModelConfig, dt: str) -> MLAParams:
+def _mla(cfg: ModelConfig, dt: str, layer: int) -> MLAParams:
     d, h = cfg.hidden_size, cfg.num_heads
     nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     q_out = h * (nope + rope)
     ql = cfg.q_lora_rank
     indexer = None
-    if cfg.index_topk is not None:
+    if cfg.index_topk is not None and cfg.indexer_types[layer] == "full":
         ih, ihd = cfg.index_n_heads, cfg.index_head_dim
         indexer = IndexerParams(
             wq_b=ArrayInfo((ql or d, ih * ihd), dt, ("q_lora", None)),
@@ -181,7 +181,7 @@ def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Params:
     d = cfg.hidden_size
     layers = []
     for i in range(cfg.num_layers):
-        attn = _mla(cfg, dtype) if cfg.is_mla else _gqa(cfg, dtype)
+        attn = _mla(cfg, dtype, i) if cfg.is_mla else _gqa(cfg, dtype)
         mlp = _moe(cfg, dtype) if cfg.moe_layers[i] else _mlp(d, cfg.intermediate_size, dtype)
         layers.append(LayerParams(
             attn_norm=ArrayInfo((d,), dtype, ("norm",), "ones"), attn=attn,

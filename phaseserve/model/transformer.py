@@ -48,11 +48,14 @@ def logits_from_hidden(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Ar
     return dense(h, params.lm_head).astype(jnp.float32)
 
 
-def _layer_attention(layer: LayerParams, cfg: ModelConfig, x, positions, lengths):
+def _layer_attention(layer: LayerParams, cfg: ModelConfig, x, positions, lengths, selection=None):
+    """-> (x + attention, the layer's KV to cache, GLM-5's DSA key selection for a following "shared" layer)."""
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    mod = attention_mla if cfg.is_mla else attention_gqa
-    out, kv = mod.forward(layer.attn, cfg, h, positions, lengths)
-    return x + out, kv
+    if cfg.is_mla:
+        out, kv, selection = attention_mla.forward(layer.attn, cfg, h, positions, lengths, selection)
+    else:
+        out, kv = attention_gqa.forward(layer.attn, cfg, h, positions, lengths)
+    return x + out, kv, selection
 
 
 def _stack(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths, positions, dispatch: Dispatch):
@@ -61,9 +64,9 @@ def _stack(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths, positio
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)
-    kvs, stats = [], []
+    kvs, stats, selection = [], [], None
     for layer in params.layers:
-        x, kv = _layer_attention(layer, cfg, x, positions, lengths)
+        x, kv, selection = _layer_attention(layer, cfg, x, positions, lengths, selection)
         x, st = ffn(layer, cfg, x, dispatch)
         kvs.append(kv)
         if st is not None:

@@ -48,6 +48,13 @@ VARIANTS = {
 }
 
 
+def dsa_config(index_topk: int, indexer_types: list[str] | None = None, index_n_heads: int = 16):
+    """A tiny GLM-5 (``GlmMoeDsaConfig``) whose DSA indexer selects ``index_topk`` keys per query."""
+    return T.GlmMoeDsaConfig(**{**BASE, "rms_norm_eps": 1e-5, "max_position_embeddings": 512}, **MOE, **MLA,
+                             index_head_dim=16, index_n_heads=index_n_heads, index_topk=index_topk,
+                             indexer_types=indexer_types)
+
+
 def randomize_(model: torch.nn.Module, seed: int) -> None:
     """Redraw every parameter and router bias: matrices ~ N(0, 1/fan_in), vectors ~ 1 + N(0, 0.1) or N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
@@ -64,10 +71,12 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def build(variant: str, directory: Path, seed: int = 0) -> T.PreTrainedModel:
-    """Create, randomize and ``save_pretrained`` a tiny model; returns it in float32 eval mode."""
+def build(variant: str | T.PretrainedConfig, directory: Path, seed: int = 0, **kw) -> T.PreTrainedModel:
+    """Create, randomize and ``save_pretrained`` a tiny model (a variant name or a config); returns it in float32
+    eval mode. ``kw`` goes to ``from_config`` (e.g. ``attn_implementation="eager"``)."""
     torch.manual_seed(seed)
-    model = T.AutoModelForCausalLM.from_config(VARIANTS[variant]()).float().eval()
+    config = VARIANTS[variant]() if isinstance(variant, str) else variant
+    model = T.AutoModelForCausalLM.from_config(config, **kw).float().eval()
     randomize_(model, seed)
     model.save_pretrained(directory)
     return model

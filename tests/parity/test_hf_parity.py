@@ -1,6 +1,7 @@
 """``ps.forward`` against Hugging Face transformers in float32 on tiny random checkpoints of every
 supported architecture (YaRN, Llama-3 rope, group-limited routing, norm_topk_prob both ways, partial
-rotary, q/k norm, attention biases, tied embeddings, q LoRA on and off, DSA as dense attention)."""
+rotary, q/k norm, attention biases, tied embeddings, q LoRA on and off, GLM-5 DSA within index_topk; past it:
+test_dsa_parity)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,3 @@ def test_config_features_are_exercised(checkpoint):
     }
     assert expect[name](cfg), f"{name}: {cfg}"
 
-
-def test_dsa_refuses_sequences_beyond_index_topk(tmp_path):
-    build("glm_moe_dsa", tmp_path)
-    cfg, params = ps.load_checkpoint(tmp_path)
-    with pytest.raises(ps.SequenceTooLongError, match="index_topk"):
-        ps.forward(params, cfg, jnp.ones((1, cfg.index_topk + 1), jnp.int32))
