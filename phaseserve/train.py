@@ -32,7 +32,7 @@ import optax
 from phaseserve.config import ModelConfig, to_dtype
 from phaseserve.data.corpus import Mixture, eval_windows
 from phaseserve.data.tokenizer import ByteTokenizer
-from phaseserve.data.toolcalls import examples
+from phaseserve.data.toolcalls import MAX_PROMPT_TOKENS, examples
 from phaseserve.model.loader import hf_sources, leaf_path
 from phaseserve.model.moe import capacity_experts, dense_experts
 from phaseserve.model.params import MoEParams, Params, abstract_params, is_info
@@ -58,8 +58,19 @@ class ModelShape:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
+
+
+@dataclass
+class Phase:
+    """One stretch of the curriculum: from step ``from_step`` until the next phase, batches of this shape and mix."""
+
+    from_step: int = 0
+    seq_len: int = 256
+    batch_size: int = 12
+    tool_fraction: float = 0.5  # share of batch rows that are packed tool-call examples
+    tool_mix: str = "single"  # phaseserve.data.toolcalls.MIXES ("full" holds multi-turn prompts of ~600-840 tokens)
 
 
 @dataclass
@@ -72,6 +83,10 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 256
     tool_fraction: float = 0.3  # share of batch rows that are packed tool-call examples
+    tool_mix: str = "basic"  # phaseserve.data.toolcalls.MIXES
+    curriculum: list[Phase] = field(default_factory=list)  # empty: batch_size x seq_len throughout
+    answer_weight: float = 1.0  # loss weight of answer tokens (<tool_call> .. <eos>) in tool rows
+    prompt_weight: float = 1.0  # loss weight of request tokens in tool rows (text rows: 1)
     lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -89,6 +104,10 @@ class TrainConfig:
     export_dtype: str = "bfloat16"  # matrices; routers and correction biases stay float32
     results_dir: str = "benchmarks/training"
     final_tool_eval: int = 200  # held-out requests generated at the end (0: skip)
+    eval_tool_calls: int = 0  # held-out requests generated at every eval (a quarter multi-turn when they fit)
+    eval_max_tokens: int = 160  # generation budget of those requests
+    stop_after: int | None = None  # stop (checkpoint, export) after this step; the schedule still spans ``steps``
+    keep_checkpoints: int = 3
 
 
 def hf_config(m: ModelShape, tok: ByteTokenizer | None = None, dtype: str = "bfloat16") -> dict:
@@ -189,18 +208,27 @@ def make_step(cfg: ModelConfig, c: TrainConfig, opt: optax.GradientTransformatio
 
 
 # ---- evaluation during training ---------------------------------------------------------------------------
-def tool_completion_batch(n: int, seq_len: int, seed: int = 0, split: str = "heldout") -> tuple[np.ndarray, np.ndarray]:
+def tool_completion_batch(n: int, seq_len: int, seed: int = 0, split: str = "heldout",
+                          mix: str = "single") -> tuple[np.ndarray, np.ndarray]:
     """(tokens i32[n, seq_len + 1], mask f32[n, seq_len]): one example per row; only the completion
     (``<tool_call>..<eos>``) counts, so the loss measures how well the model answers held-out requests."""
     tok = ByteTokenizer()
     tokens = np.full((n, seq_len + 1), tok.pad_id, np.int32)
     mask = np.zeros((n, seq_len), np.float32)
-    for r, ex in enumerate(examples(n, split, seed)):
+    for r, ex in enumerate(examples(n, split, seed, mix=mix)):
         p, c = ex.prompt_ids(tok), ex.completion_ids(tok)
         ids = (p + c)[: seq_len + 1]
         tokens[r, : len(ids)] = ids
         mask[r, len(p) - 1: len(ids) - 1] = 1.0
     return tokens, mask
+
+
+def tool_eval_examples(cfg: ModelConfig, n: int, max_tokens: int, seed: int = 0) -> list:
+    """``n`` held-out requests: single requests of every kind, and a quarter conversations (``multi_turn``) when
+    the model's context holds them (``MAX_PROMPT_TOKENS + max_tokens``)."""
+    multi = n // 4 if cfg.max_position_embeddings >= MAX_PROMPT_TOKENS + max_tokens else 0
+    return (examples(n - multi, "heldout", seed, mix="single")
+            + (examples(multi, "heldout", seed, mix="multi_turn") if multi else []))
 
 
 _STEP_FIELDS = ("lr", "warmup_steps", "steps", "min_lr_ratio", "weight_decay", "b2", "grad_clip", "bias_update_rate",
@@ -220,16 +248,32 @@ def _optimizer_and_step(cfg: ModelConfig, key: tuple):
 
 
 @lru_cache(maxsize=4)
-def make_eval(cfg: ModelConfig, seq_len: int):
-    """Returns eval(params) -> {"heldout_text_loss", "heldout_tool_loss"} on fixed held-out data (nats/token)."""
+def make_eval(cfg: ModelConfig, tool_calls: int = 0, max_tokens: int = 160):
+    """Returns eval(params) -> held-out losses (nats/token) on fixed data: ``heldout_text_loss`` (windows of
+    ``min(256, positions)`` bytes, the length the shipped perplexity is quoted at) and ``heldout_tool_loss``
+    (completions of single requests); with ``tool_calls`` > 0 also greedy generation on that many held-out
+    requests (:func:`tool_eval_examples`): ``tool_exact``, ``tool_validity``, ``tool_args`` (argument accuracy)
+    and ``tool_exact_<kind>``."""
+    from phaseserve.eval.cached_decode import cached_greedy_generate_fn
+    from phaseserve.eval.generation import evaluate_tool_calls
+
+    seq_len = min(256, cfg.max_position_embeddings)
     text = eval_windows("heldout", seq_len, num=32)
     text_mask = np.ones((text.shape[0], seq_len), np.float32)
-    tool, tool_mask = tool_completion_batch(32, min(seq_len, 192))
+    tool, tool_mask = tool_completion_batch(32, min(320, cfg.max_position_embeddings))
     loss = jax.jit(lambda p, t, m: masked_nll(train_forward(p, cfg, t[:, :-1])[0], t[:, 1:], m))  # exact, no drops
+    requests = tool_eval_examples(cfg, tool_calls, max_tokens) if tool_calls else []
 
     def evaluate(params) -> dict[str, float]:
-        return {"heldout_text_loss": float(loss(params, text, text_mask)),
-                "heldout_tool_loss": float(loss(params, tool, tool_mask))}
+        out = {"heldout_text_loss": float(loss(params, text, text_mask)),
+               "heldout_tool_loss": float(loss(params, tool, tool_mask))}
+        if requests:
+            gen = cached_greedy_generate_fn(params, cfg, batch_size=len(requests))
+            rep = evaluate_tool_calls(gen, requests, max_tokens=max_tokens)
+            out.update({"tool_exact": rep.exact_match, "tool_validity": rep.validity,
+                        "tool_args": rep.argument_accuracy,
+                        **{f"tool_exact_{k}": v for k, v in rep.exact_by_kind.items()}})
+        return out
 
     return evaluate
 
@@ -267,7 +311,7 @@ def export_hf(params: Params, m: ModelShape, out_dir: str | Path, dtype: str = "
 def _checkpointer(c: TrainConfig):
     import orbax.checkpoint as ocp
 
-    opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=c.ckpt_every)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=c.keep_checkpoints, save_interval_steps=c.ckpt_every)
     return ocp.CheckpointManager(Path(c.ckpt_dir).absolute(), options=opts)
 
 
@@ -281,15 +325,33 @@ def train(c: TrainConfig, log=print) -> dict:
     return finish(c, params, history, log)
 
 
+def phases(c: TrainConfig) -> list[tuple[int, Mixture]]:
+    """(first step, batch source) of each curriculum phase, in step order (one phase without a curriculum)."""
+    plan = c.curriculum or [Phase(0, c.seq_len, c.batch_size, c.tool_fraction, c.tool_mix)]
+    if plan[0].from_step != 0 or any(b.from_step <= a.from_step for a, b in zip(plan, plan[1:], strict=False)):
+        raise ValueError(f"curriculum phases must start at step 0 and increase: {[p.from_step for p in plan]}")
+    return [(p.from_step, Mixture(batch_size=p.batch_size, seq_len=p.seq_len, tool_fraction=p.tool_fraction,
+                                  seed=c.seed, tool_mix=p.tool_mix, answer_weight=c.answer_weight,
+                                  prompt_weight=c.prompt_weight)) for p in plan]
+
+
+def batch_at(plan: list[tuple[int, Mixture]], step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batch ``step`` of the phase it falls in (a function of the seed and the step only)."""
+    return [m for first, m in plan if first <= step][-1].batch(step)
+
+
 def fit(c: TrainConfig, log=print) -> tuple[Params, dict]:
-    """The training loop, resuming from ``c.ckpt_dir`` when it holds a checkpoint. Returns the final float32
-    params and the history ``{"train": [...], "eval": [...], "wall_s"}``."""
+    """The training loop, resuming from ``c.ckpt_dir`` when it holds a checkpoint; it stops after ``c.stop_after``
+    steps when set (else ``c.steps``). Returns the final float32 params and the history
+    ``{"train": [...], "eval": [...], "wall_s"}``."""
     import orbax.checkpoint as ocp
 
     cfg = model_config(c.model)
     opt, step_fn = _optimizer_and_step(cfg, _step_key(c))
-    evaluate = make_eval(cfg, c.seq_len)
-    data = Mixture(batch_size=c.batch_size, seq_len=c.seq_len, tool_fraction=c.tool_fraction, seed=c.seed)
+    evaluate = make_eval(cfg, c.eval_tool_calls, c.eval_max_tokens)
+    plan = phases(c)
+    if max(m.seq_len for _, m in plan) > cfg.max_position_embeddings:
+        raise ValueError(f"a phase's seq_len exceeds max_position_embeddings={cfg.max_position_embeddings}")
     params = init_train_params(cfg, jax.random.key(c.seed))
     opt_state = opt.init(params)
     history: dict = {"train": [], "eval": [], "wall_s": 0.0}
@@ -304,23 +366,25 @@ def fit(c: TrainConfig, log=print) -> tuple[Params, dict]:
         history["train"] = [h for h in history["train"] if h["step"] <= start]
         history["eval"] = [h for h in history["eval"] if h["step"] <= start]
         log(f"resumed from step {start}")
+    end = min(c.steps, c.stop_after) if c.stop_after is not None else c.steps
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    log(f"model: {n_params / 1e6:.2f}M parameters; {c.steps} steps of {c.batch_size}x{c.seq_len} tokens")
+    log(f"model: {n_params / 1e6:.2f}M parameters; steps {start}..{end} of {c.steps}; curriculum "
+        + ", ".join(f"from {first}: {m.batch_size}x{m.seq_len} {m.tool_mix}" for first, m in plan))
     t0, wall0 = time.time(), history["wall_s"]
-    for s in range(start, c.steps):
-        tokens, mask = data.batch(s)
+    for s in range(start, end):
+        tokens, mask = batch_at(plan, s)
         params, opt_state, stats = step_fn(params, opt_state, tokens, mask)
         done = s + 1
-        if done % c.log_every == 0 or done == c.steps:
+        if done % c.log_every == 0 or done == end:
             rec = {"step": done, **{k: float(v) for k, v in stats.items()}, "wall_s": wall0 + time.time() - t0}
             history["train"].append(rec)
             log(f"step {done:5d}  loss {rec['loss']:.4f}  |g| {rec['grad_norm']:.3f}  "
                 f"max load {rec['max_load']:.2f}  dropped {rec['dropped']:.3f}  {rec['wall_s']:.0f}s")
-        if done % c.eval_every == 0 or done == c.steps:
+        if done % c.eval_every == 0 or done == end:
             ev = {"step": done, **evaluate(params)}
             history["eval"].append(ev)
-            log(f"eval  {done:5d}  held-out text {ev['heldout_text_loss']:.4f}  tool {ev['heldout_tool_loss']:.4f}")
-        if done % c.ckpt_every == 0 or done == c.steps:
+            log(f"eval  {done:5d}  " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step"))
+        if done % c.ckpt_every == 0 or done == end:
             history["wall_s"] = wall0 + time.time() - t0
             mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
             mngr.wait_until_finished()
@@ -348,6 +412,16 @@ def plot_history(history: dict, path: str | Path) -> Path:
     ax.plot([h["step"] for h in ev], [h["heldout_tool_loss"] for h in ev], "s-", color="C2", ms=3,
             label="held-out tool-call completions")
     ax.axhline(np.log(256), color="0.5", ls=":", lw=1, label="uniform over bytes (ln 256)")
+    gen = [h for h in ev if "tool_exact" in h]
+    if gen:
+        ax2 = ax.twinx()
+        ax2.plot([h["step"] for h in gen], [h["tool_exact"] for h in gen], "^-", color="C3", ms=3,
+                 label="held-out tool calls: exact match (right axis)")
+        ax2.plot([h["step"] for h in gen], [h["tool_args"] for h in gen], "v--", color="C4", ms=3,
+                 label="held-out tool calls: argument accuracy (right axis)")
+        ax2.set_ylim(0, 1.02)
+        ax2.set_ylabel("fraction of held-out requests / arguments")
+        ax2.legend(fontsize=8, loc="center right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_ylim(0, max(6.0, float(loss[:3].max()) if len(loss) else 6.0))
@@ -362,12 +436,21 @@ def plot_history(history: dict, path: str | Path) -> Path:
     return path
 
 
+def _curriculum_text(c: dict) -> str:
+    plan = c.get("curriculum") or [{"from_step": 0, "batch_size": c["batch_size"], "seq_len": c["seq_len"],
+                                    "tool_mix": c.get("tool_mix", "basic")}]
+    return "; ".join(f"from step {p['from_step']}: {p['batch_size']}x{p['seq_len']} tokens, {p['tool_mix']} tool mix"
+                     for p in plan)
+
+
 def model_card(summary: dict) -> str:
     """The README.md written next to the exported checkpoint."""
     c, m = summary["config"], summary["config"]["model"]
     tool = summary.get("tool_calls")
+    kinds = ", ".join(f"{k} {v:.1%}" for k, v in (tool or {}).get("exact_by_kind", {}).items())
     tool_line = (f"- tool calls on {tool['n']} held-out requests (greedy): valid JSON matching the schema "
-                 f"{tool['validity']:.1%}, exact match {tool['exact_match']:.1%}\n") if tool else ""
+                 f"{tool['validity']:.1%}, exact match {tool['exact_match']:.1%} ({kinds}), argument accuracy "
+                 f"{tool.get('argument_accuracy', float('nan')):.1%}\n") if tool else ""
     if tool and tool["exact_match"] < 0.5:
         tool_line += ("- limitation: the model picks the right tool and writes schema-valid JSON, but it has not "
                       "learned to copy\n  argument values out of the request at this training budget; its arguments "
@@ -384,12 +467,14 @@ qk_rope {m['qk_rope_head_dim']}, v {m['v_head_dim']}; {m['num_experts']} routed 
 (top-{m['experts_per_tok']}, sigmoid routing with correction bias) + {m['shared_experts']} shared, \
 expert width {m['moe_intermediate_size']}; context \
 {m['max_position_embeddings']}
-- {c['steps']} steps of {c['batch_size']}x{c['seq_len']} tokens, AdamW (peak lr {c['lr']}), seed {c['seed']}; \
+- {summary['steps_done']} steps ({_curriculum_text(c)}), AdamW (peak lr {c['lr']}), seed {c['seed']}; \
 {summary['wall_s'] / 60:.0f} min wall time
 - held-out text: {summary['heldout_text']['nll']:.3f} nats/byte, perplexity {summary['heldout_text']['ppl']:.2f} \
 (uniform over bytes: 256)
 {tool_line}
-Prompt format: `<bos>{{request}}\\n`; the model answers `<tool_call>{{json}}</tool_call><eos>`.
+Prompt format: `<bos>{{request}}\\n`; the model answers `<tool_call>{{json}}</tool_call><eos>`. Earlier turns of a
+conversation come before the request: each message and a newline, an answered one followed by its
+`<tool_call>{{json}}</tool_call><eos>` (the server's chat rendering).
 Weights are bfloat16 (routers and correction biases float32). Load with `phaseserve.load_checkpoint(path)` or
 `transformers.AutoModelForCausalLM.from_pretrained(path)`.
 """
@@ -410,6 +495,7 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
         "config": asdict(c),
         "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shipped)),
         "wall_s": history["wall_s"],
+        "steps_done": history["train"][-1]["step"] if history["train"] else 0,
         "final_train_loss_10step_mean": float(np.mean([h["loss"] for h in history["train"][-10:]])),
         "heldout_text": heldout_perplexity(shipped, cfg, logits_fn=logits_fn),
         "train_text": heldout_perplexity(shipped, cfg, eval_windows("train", min(256, cfg.max_position_embeddings),
@@ -419,7 +505,8 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     if c.final_tool_eval:
         gen = cached_greedy_generate_fn(shipped, cfg, batch_size=50)
         t0 = time.time()
-        report = evaluate_tool_calls(gen, examples(c.final_tool_eval, "heldout", seed=1))
+        report = evaluate_tool_calls(gen, tool_eval_examples(cfg, c.final_tool_eval, c.eval_max_tokens, seed=1),
+                                     max_tokens=c.eval_max_tokens)
         summary["tool_calls"] = {**report.as_dict(), "failures": report.failures, "eval_s": time.time() - t0}
     log(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
     (out / "README.md").write_text(model_card(summary))

@@ -10,7 +10,8 @@ Each file becomes ``<bos> bytes <eos>`` in one long token stream per split.
 
 :class:`Mixture` draws training batches: each row is, with probability ``tool_fraction``, a pack of
 consecutive tool-call examples (padded with ``<pad>``), otherwise a random window of the text stream.
-Batch ``step`` depends only on ``(seed, step)``, so a resumed run sees exactly the batches it would have.
+Batch ``step`` depends only on ``(seed, step)``, so a resumed run sees exactly the batches it would have. Tool
+rows can weight the answer above the request (:class:`Mixture`), so the loss concentrates on copying arguments.
 """
 
 from __future__ import annotations
@@ -111,22 +112,37 @@ def pack_examples(examples: Peekable, seq_len: int, tok: ByteTokenizer) -> np.nd
     return row
 
 
+def answer_mask(tokens: np.ndarray, tok: ByteTokenizer) -> np.ndarray:
+    """bool[..., T]: the tokens of answers, ``<tool_call>`` through its ``<eos>`` (inclusive). tokens i32[..., T]."""
+    starts = np.cumsum(tokens == tok.tool_start_id, axis=-1)
+    ends_before = np.cumsum(tokens == tok.eos_id, axis=-1) - (tokens == tok.eos_id)
+    return (starts - np.minimum(ends_before, starts)) > 0 if tokens.size else np.zeros(tokens.shape, bool)
+
+
 @dataclass
 class Mixture:
-    """Seeded training batches of text windows and packed tool-call examples (see module docstring)."""
+    """Seeded training batches of text windows and packed tool-call examples (see module docstring).
+
+    The loss weight of a target is 1 in text rows; in tool rows ``answer_weight`` for answer tokens
+    (``<tool_call>`` .. ``<eos>``, where arguments are copied) and ``prompt_weight`` for the requests (random
+    words, not worth predicting); 0 where the target is ``<pad>``."""
 
     batch_size: int = 16
     seq_len: int = 256
     tool_fraction: float = 0.3
     seed: int = 0
+    tool_mix: str = "basic"  # phaseserve.data.toolcalls.MIXES
+    answer_weight: float = 1.0
+    prompt_weight: float = 1.0
     tok: ByteTokenizer = ByteTokenizer()
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens i32[B, T + 1], loss mask f32[B, T]) for one step; the mask is 0 where the target is pad."""
+        """(tokens i32[B, T + 1], loss weights f32[B, T]) for one step."""
         rng = np.random.default_rng([self.seed, step])
         stream = text_stream("train")
         is_tool = rng.random(self.batch_size) < self.tool_fraction
-        tools = Peekable(ex.ids(self.tok) for ex in iter_examples("train", seed=int(rng.integers(2**31))))
+        tools = Peekable(ex.ids(self.tok) for ex in iter_examples("train", seed=int(rng.integers(2**31)),
+                                                                   mix=self.tool_mix))
         rows = []
         for t in is_tool:
             if t:
@@ -135,5 +151,7 @@ class Mixture:
                 s = int(rng.integers(0, len(stream) - self.seq_len - 1))
                 rows.append(stream[s: s + self.seq_len + 1])
         tokens = np.stack(rows).astype(np.int32)
-        mask = (tokens[:, 1:] != self.tok.pad_id).astype(np.float32)
-        return tokens, mask
+        targets = tokens[:, 1:]
+        tool_w = np.where(answer_mask(targets, self.tok), self.answer_weight, self.prompt_weight)
+        weights = np.where(is_tool[:, None], tool_w, 1.0) * (targets != self.tok.pad_id)
+        return tokens, weights.astype(np.float32)

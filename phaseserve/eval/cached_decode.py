@@ -21,12 +21,13 @@ against full recompute, which it matches token for token in float32 (tests/e2e/t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
 
 from phaseserve.cache.attend import PagedAttend
-from phaseserve.cache.paged import GQAPages, MLAPages
+from phaseserve.cache.paged import GQAPages, MLAPages, quantize_kv
 from phaseserve.config import ModelConfig
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.eval.generation import batched_generate_fn
@@ -34,10 +35,24 @@ from phaseserve.model import transformer
 from phaseserve.model.layers import softmax_scale
 
 
-def as_pages(kvs: list) -> list[GQAPages | MLAPages]:
-    """Prefill's per-layer KV ([B, L, ...]) as one page of L slots per row, after the null page 0."""
-    pad = lambda x: jnp.pad(x, [(1, 0)] + [(0, 0)] * (x.ndim - 1))
-    return [GQAPages(pad(kv[0]), pad(kv[1])) if isinstance(kv, tuple) else MLAPages(pad(kv)) for kv in kvs]
+def as_pages(kvs: list, kv_dtype: str | None = None) -> list[GQAPages | MLAPages]:
+    """Prefill's per-layer KV ([B, L, ...]) as one page of L slots per row, after the null page 0; stored in
+    ``kv_dtype`` (FP8 with per-token scales, as the serving cache stores it) or as computed when None."""
+    def pad(x):
+        return None if x is None else jnp.pad(x, [(1, 0)] + [(0, 0)] * (x.ndim - 1))
+
+    def store(x):
+        return (x, None) if kv_dtype is None else quantize_kv(x, kv_dtype)
+
+    out = []
+    for kv in kvs:
+        if isinstance(kv, tuple):
+            (k, ks), (v, vs) = store(kv[0]), store(kv[1])
+            out.append(GQAPages(pad(k), pad(v), pad(ks), pad(vs)))
+        else:
+            lat, scale = store(kv)
+            out.append(MLAPages(pad(lat), pad(scale)))
+    return out
 
 
 def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, caches: list):
@@ -51,9 +66,16 @@ def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arra
 
 def cached_greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[int] | None = None,
                               batch_size: int = 32, pad_id: int | None = None, bucket: int = 32):
-    """``GenerateFn`` (see :mod:`phaseserve.eval.generation`): greedy, cached."""
-    stops = jnp.asarray(list(stop_ids if stop_ids is not None else cfg.eos_token_ids) or [-1], jnp.int32)
+    """``GenerateFn`` (see :mod:`phaseserve.eval.generation`): greedy, cached. The jitted loop is shared by every
+    generator of one (config, stop ids), so new params (e.g. evaluation during training) reuse its compilation."""
+    stops = tuple(stop_ids if stop_ids is not None else cfg.eos_token_ids) or (-1,)
     pad = ByteTokenizer().pad_id if pad_id is None else pad_id
+    return batched_generate_fn(_runner(cfg, stops), params, cfg, pad=pad, bucket=bucket, batch_size=batch_size)
+
+
+@lru_cache(maxsize=8)
+def _runner(cfg: ModelConfig, stop_ids: tuple[int, ...]):
+    stops = jnp.asarray(stop_ids, jnp.int32)
 
     @jax.jit
     def run(params, buf, lengths, active, max_new):
@@ -81,4 +103,24 @@ def cached_greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[in
         buf, lengths = jax.lax.while_loop(cond, body, state)[:2]
         return buf, lengths
 
-    return batched_generate_fn(run, params, cfg, pad=pad, bucket=bucket, batch_size=batch_size)
+    return run
+
+
+@partial(jax.jit, static_argnames=("cfg", "prefix", "kv_dtype"))
+def served_logits(prefill_params, decode_params, cfg: ModelConfig, tokens: jax.Array, *, prefix: int,
+                  kv_dtype: str) -> jax.Array:
+    """Next-token distributions *as served*, teacher-forced: the first ``prefix`` tokens of each row are prefilled
+    with ``prefill_params``, their KV is stored in ``kv_dtype`` (what the handoff to the decode cache does), and
+    every later token goes through ``decode_params``' decode step over that cache, one position at a time.
+    tokens i32[B, T] -> logits f32[B, T - prefix + 1, V], predicting tokens ``prefix .. T`` (the last one is the
+    token after the row). With float32 params and KV this equals ``forward`` at those positions."""
+    b, t = tokens.shape
+    lengths = jnp.full((b,), prefix, jnp.int32)
+    first, kvs = transformer.prefill(prefill_params, cfg, tokens, lengths, logits_at=lengths - 1)
+
+    def body(caches, p):
+        logits, caches = decode_step(decode_params, cfg, tokens[:, p], jnp.full((b,), p, jnp.int32), caches)
+        return caches, logits
+
+    _, rest = jax.lax.scan(body, as_pages(kvs, kv_dtype), jnp.arange(prefix, t))
+    return jnp.concatenate([first[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)

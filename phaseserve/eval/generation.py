@@ -139,39 +139,75 @@ class ToolCallReport:
     validity: float  # a call that parses as JSON and matches its tool's schema
     exact_match: float  # ... and equals the expected call (parsed JSON compared as values)
     has_call: float  # a <tool_call> marker was produced at all
+    argument_accuracy: float = 0.0  # expected argument values (nested leaves) reproduced, of all expected ones
+    exact_by_kind: dict[str, float] = field(default_factory=dict)  # exact match per ToolExample.kind
     failures: list[dict] = field(default_factory=list)  # the first few invalid / wrong generations
+    exact: list[bool] = field(default_factory=list)  # per request, for confidence intervals
+    valid: list[bool] = field(default_factory=list)
+    argument_hits: list[tuple[int, int]] = field(default_factory=list)  # per request: (values reproduced, expected)
 
     def as_dict(self) -> dict:
-        return {"n": self.n, "validity": self.validity, "exact_match": self.exact_match, "has_call": self.has_call}
+        return {"n": self.n, "validity": self.validity, "exact_match": self.exact_match, "has_call": self.has_call,
+                "argument_accuracy": self.argument_accuracy, "exact_by_kind": self.exact_by_kind}
+
+
+def _leaves(args: dict, prefix: tuple = ()) -> dict[tuple, Any]:
+    """Nested argument values by path: {"when": {"date": d}} -> {("when", "date"): d}."""
+    out: dict[tuple, Any] = {}
+    for k, v in args.items():
+        out.update(_leaves(v, (*prefix, k)) if isinstance(v, dict) and v else {(*prefix, k): v})
+    return out
+
+
+def argument_hits(call: Any, expected: dict) -> tuple[int, int]:
+    """(expected argument values the call reproduces at the same path, expected values); none for another tool."""
+    want = _leaves(expected["arguments"])
+    if not isinstance(call, dict) or call.get("name") != expected["name"] or not isinstance(call.get("arguments"),
+                                                                                           dict):
+        return 0, len(want)
+    got = _leaves(call["arguments"])
+    return sum(path in got and got[path] == v for path, v in want.items()), len(want)
 
 
 def score_tool_calls(generations: Sequence[Sequence[int]], examples: Sequence[ToolExample],
                      tok: ByteTokenizer | None = None, keep_failures: int = 5) -> ToolCallReport:
-    """Score given generations (one per example) for validity and exact match."""
+    """Score given generations (one per example) for validity, exact match and argument accuracy."""
     tok = tok or ByteTokenizer()
     if len(generations) != len(examples) or not examples:
         raise ValueError(f"need one generation per example, got {len(generations)} for {len(examples)}")
-    valid = exact = has = 0
+    has = 0
+    exact, valid, hits = [], [], []
     failures: list[dict] = []
     for gen, ex in zip(generations, examples, strict=True):
         call, errors = parse_call(gen, tok)
         has += tok.tool_start_id in gen
-        valid += not errors
-        ok = not errors and call == ex.call
-        exact += ok
-        if not ok and len(failures) < keep_failures:
-            failures.append({"request": ex.request, "expected": ex.call_json, "errors": errors,
+        valid.append(not errors)
+        exact.append(not errors and call == ex.call)
+        hits.append(argument_hits(call, ex.call))
+        if not exact[-1] and len(failures) < keep_failures:
+            failures.append({"request": ex.request, "kind": ex.kind, "expected": ex.call_json, "errors": errors,
                              "generated": tok.decode(gen)})
     n = len(examples)
-    return ToolCallReport(n=n, validity=valid / n, exact_match=exact / n, has_call=has / n, failures=failures)
+    kinds = sorted({ex.kind for ex in examples})
+    by_kind = {k: float(np.mean([e for e, ex in zip(exact, examples, strict=True) if ex.kind == k])) for k in kinds}
+    return ToolCallReport(n=n, validity=sum(valid) / n, exact_match=sum(exact) / n, has_call=has / n,
+                          argument_accuracy=sum(h for h, _ in hits) / max(1, sum(t for _, t in hits)),
+                          exact_by_kind=by_kind, failures=failures, exact=exact, valid=valid, argument_hits=hits)
 
 
 def evaluate_tool_calls(generate_fn: GenerateFn, examples: Sequence[ToolExample], max_tokens: int = 112,
                         tok: ByteTokenizer | None = None) -> ToolCallReport:
-    """Generate a call for every held-out request (prompt ``<bos>request\\n``) and score it."""
+    """Generate a call for every held-out request (prompt ``<bos>[history]request\\n``) and score it. Single
+    requests and conversations are generated apart (a conversation's long prompt would widen every row)."""
     tok = tok or ByteTokenizer()
-    gens = generate_fn([ex.prompt_ids(tok) for ex in examples], max_tokens)
-    return score_tool_calls(gens, examples, tok)
+    order = sorted(range(len(examples)), key=lambda i: examples[i].kind == "multi_turn")
+    groups = [[i for i in order if (examples[i].kind == "multi_turn") == long] for long in (False, True)]
+    gens: dict[int, list[int]] = {}
+    for group in groups:
+        if group:
+            gens.update(zip(group, generate_fn([examples[i].prompt_ids(tok) for i in group], max_tokens),
+                            strict=True))
+    return score_tool_calls([gens[i] for i in range(len(examples))], examples, tok)
 
 
 def generation_agreement(ref_fn: GenerateFn, test_fn: GenerateFn, prompts: list[list[int]],

@@ -28,8 +28,8 @@ from phaseserve.data import (
     validate,
     validate_call,
 )
-from phaseserve.data.corpus import Peekable, eval_windows, pack_examples, split_of_file
-from phaseserve.data.toolcalls import split_of
+from phaseserve.data.corpus import Peekable, answer_mask, eval_windows, pack_examples, split_of_file
+from phaseserve.data.toolcalls import BASIC_TOOLS, FAR_TOKENS, KINDS, MAX_PROMPT_TOKENS, split_of
 
 TOK = ByteTokenizer()
 
@@ -143,7 +143,63 @@ def test_examples_deterministic_and_heldout_never_in_training():
     assert all(split_of(e.request) == "heldout" for e in held)
     train = examples(500, "train", seed + 1, unique=False)
     assert {e.request for e in train}.isdisjoint(e.request for e in held)
-    assert {e.call["name"] for e in train} == set(TOOLS)
+    assert {e.call["name"] for e in train} == set(BASIC_TOOLS)  # the basic mix: the five original tools
+    full = examples(400, "train", seed + 2, unique=False, mix="full")
+    assert {e.call["name"] for e in full} == set(TOOLS) and {e.kind for e in full} == set(KINDS)
+    held_full = examples(30, "heldout", seed, mix="full")
+    assert all(split_of(e.key) == "heldout" for e in held_full)
+    assert {e.key for e in full}.isdisjoint(e.key for e in held_full)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from(["single", "multi_turn"]))
+def test_harder_kinds_are_valid_and_stress_what_they_name(seed, mix):
+    """Every call of the new kinds is schema-valid and its argument values are written in the conversation; long
+    arguments have >= 40 characters; a multi-turn argument lies >= FAR_TOKENS tokens before the answer, and the
+    prompt leaves room for the answer in 1,024 positions."""
+    ex = sample_example(random.Random(seed), mix)
+    assert validate_call(ex.call) == [], ex
+    text = TOK.decode(ex.prompt_ids(TOK))
+    leaves = [v for v in ex.call["arguments"].values() if not isinstance(v, dict)]
+    leaves += [v for d in ex.call["arguments"].values() if isinstance(d, dict) for v in d.values()]
+    for v in leaves:
+        if ex.call["name"] != "convert_currency" or not isinstance(v, str):  # currency codes may be named
+            assert (json.dumps(v) if not isinstance(v, str) else v) in text, (v, text)
+    if ex.kind == "long":
+        assert max(len(v) for v in leaves if isinstance(v, str)) >= 40
+    if ex.kind == "nested":
+        assert set(ex.call["arguments"]["when"]) == {"date", "time"}
+    if ex.kind == "multi_arg":
+        assert len(ex.call["arguments"]) == 5
+    if mix == "multi_turn":
+        assert ex.kind == "multi_turn" and len(ex.prompt_ids(TOK)) <= MAX_PROMPT_TOKENS
+        ids = ex.prompt_ids(TOK)
+        noted = [(m, str(v)) for m, c in ex.history if c is None for v in leaves
+                 if f'"{v}"' in m or f"is {v} minutes" in m]
+        assert len(noted) == 1, (noted, ex.history[:2])
+        note, value = noted[0]
+        where = 1 + TOK.decode(ids[1:]).index(note) + note.index(value)  # notes come first: byte = token index
+        assert len(ids) - where >= FAR_TOKENS
+    call, errors = parse_call(ex.completion_ids(TOK), TOK)
+    assert errors == [] and call == ex.call
+
+
+def test_answer_mask_and_weights():
+    exs = [sample_example(random.Random(random.randrange(10**6)), "single") for _ in range(3)]
+    ids = np.array(sum((e.ids(TOK) for e in exs), []))
+    mask = answer_mask(ids, TOK)
+    want = np.concatenate([np.r_[np.zeros(len(e.prompt_ids(TOK))), np.ones(len(e.completion_ids(TOK)))]
+                           for e in exs]).astype(bool)
+    np.testing.assert_array_equal(mask, want)
+    mix = Mixture(batch_size=6, seq_len=128, tool_fraction=0.5, seed=random.randrange(1000), tool_mix="single",
+                  answer_weight=2.0, prompt_weight=0.25)
+    tokens, w = mix.batch(3)
+    tgt = tokens[:, 1:]
+    tool_rows = (tgt == TOK.tool_start_id).any(1)
+    assert tool_rows.any() and (~tool_rows).any()
+    assert set(np.unique(w[tool_rows]).tolist()) <= {0.0, 0.25, 2.0} and (w[~tool_rows] == 1.0).all()
+    np.testing.assert_array_equal(w[tool_rows] == 2.0, answer_mask(tgt[tool_rows], TOK))
+    np.testing.assert_array_equal(w == 0.0, tgt == TOK.pad_id)
 
 
 @settings(max_examples=50, deadline=None)

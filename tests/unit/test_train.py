@@ -19,7 +19,7 @@ from phaseserve.model.moe import capacity_experts, dense_experts, route
 TINY = T.ModelShape(hidden_size=32, num_layers=2, first_k_dense=1, num_heads=2, intermediate_size=48,
                     moe_intermediate_size=16, num_experts=4, experts_per_tok=2, shared_experts=1, q_lora_rank=16,
                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                    max_position_embeddings=64)
+                    max_position_embeddings=256)
 
 
 @pytest.fixture
@@ -95,11 +95,14 @@ def test_export_round_trips_through_loader(tmp_path, key):
     assert json.loads((tmp_path / "tokenizer.json").read_text())["eos_token_id"] == 257
 
 
-def _tiny_run(tmp_path, name: str, ckpt: str) -> T.TrainConfig:
-    return T.TrainConfig(model=TINY, steps=4, batch_size=2, seq_len=32, warmup_steps=1, log_every=1,
-                         eval_every=2, ckpt_every=2, ckpt_dir=str(tmp_path / ckpt), seed=3,
-                         export_dir=str(tmp_path / name / "model"), results_dir=str(tmp_path / name),
-                         final_tool_eval=0)
+def _tiny_run(tmp_path, name: str, ckpt: str, **kw) -> T.TrainConfig:
+    """A 4-step run whose curriculum changes shape and mix at step 3 (2x32 single requests, then 1x64 basic)."""
+    curriculum = [T.Phase(0, 32, 2, 0.5, "single"), T.Phase(2, 64, 1, 1.0, "basic")]
+    base = dict(model=TINY, steps=4, batch_size=2, seq_len=32, warmup_steps=1, log_every=1, eval_every=2,
+                ckpt_every=2, ckpt_dir=str(tmp_path / ckpt), seed=3, export_dir=str(tmp_path / name / "model"),
+                results_dir=str(tmp_path / name), final_tool_eval=0, curriculum=curriculum, answer_weight=2.0,
+                prompt_weight=0.25)
+    return T.TrainConfig(**{**base, **kw})
 
 
 class _Interrupt(Exception):
@@ -107,7 +110,8 @@ class _Interrupt(Exception):
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
-    """Interrupt a 4-step run during step 3 (last checkpoint: step 2), resume: same weights as one go."""
+    """Interrupt a 4-step run during step 3 (last checkpoint: step 2, the curriculum's phase boundary), resume:
+    same weights as one go."""
     def crash_at_3(line):
         if line.startswith("step     3"):
             raise _Interrupt
@@ -122,6 +126,31 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert [h["step"] for h in hist["train"]] == [1, 2, 3, 4]
     assert [h["step"] for h in hist["eval"]] == [2, 4]
+
+
+def test_curriculum_batches_and_stop_after(tmp_path):
+    c = _tiny_run(tmp_path, "c", "ck_c")
+    plan = T.phases(c)
+    assert [T.batch_at(plan, s)[0].shape for s in (0, 1, 2, 3)] == [(2, 33), (2, 33), (1, 65), (1, 65)]
+    np.testing.assert_array_equal(T.batch_at(plan, 3)[0], T.batch_at(T.phases(c), 3)[0])
+    with pytest.raises(ValueError, match="increase"):
+        T.phases(T.TrainConfig(curriculum=[T.Phase(0), T.Phase(0)]))
+    _, hist = T.fit(_tiny_run(tmp_path, "c", "ck_c", stop_after=3), log=lambda s: None)
+    assert hist["train"][-1]["step"] == 3 and hist["eval"][-1]["step"] == 3
+    lines = []
+    _, hist = T.fit(_tiny_run(tmp_path, "c", "ck_c", stop_after=3), log=lines.append)  # nothing left to run
+    assert any("resumed from step 3" in line for line in lines) and hist["train"][-1]["step"] == 3
+
+
+def test_eval_history_reports_generated_tool_calls(tmp_path):
+    """With eval_tool_calls, every eval generates held-out calls: exact match, validity, argument accuracy."""
+    _, hist = T.fit(_tiny_run(tmp_path, "g", "ck_g", eval_tool_calls=4, eval_max_tokens=32, steps=2),
+                    log=lambda s: None)
+    ev = hist["eval"][-1]
+    for k in ("tool_exact", "tool_validity", "tool_args", "heldout_text_loss", "heldout_tool_loss"):
+        assert 0.0 <= ev[k] and np.isfinite(ev[k]), k
+    assert ev["tool_exact"] <= ev["tool_validity"] and ev["tool_exact"] <= ev["tool_args"] <= 1.0
+    assert any(k.startswith("tool_exact_") for k in ev)
 
 
 def test_finish_writes_checkpoint_results_and_plot(tmp_path, key):
