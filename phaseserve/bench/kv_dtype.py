@@ -252,7 +252,8 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
                   f"{a['kv_bytes_per_token']}).", ""]
     lines += ["## Setup", "",
               f"- model: `{s['model'].get('name')}` (latent width {s['model_kv_width']} values/token/layer); "
-              f"mode {s['mode']}; one KV budget of {s['budget_bytes']:,} bytes for every dtype",
+              f"{s.get('weights', 'bfloat16')} weights; mode {s['mode']}; one KV budget of {s['budget_bytes']:,} "
+              "bytes for every dtype",
               f"- workload: prompt {_len(s['workload']['prompt'])}, output {_len(s['workload']['output'])} tokens, "
               f"{s['workload']['arrival']} arrivals, {s['pages_per_request']} pages of {s['page_size']} reserved per "
               f"request; offered concurrency {concs}; {s['repeats']} interleaved repeat(s); "
