@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from pallas_kernels import flash_prefill, fp8_matmul, int4_matmul, mla_attention, paged_attention
+from pallas_kernels import flash_prefill, fp8_matmul, int4_matmul, mla_attention, paged_attention, sparse_mla
 
 PLATFORMS = {"tpu": "tpu", "cuda": "gpu"}  # export platform -> kernel target
 EXPECTED_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
@@ -73,6 +73,23 @@ def _mla(dtype, page_size: int) -> Case:
         return f
 
     return Case(f"paged_mla {jnp.dtype(dtype).name} page{page_size}", build, args)
+
+
+def _sparse_mla(dtype, k: int) -> Case:
+    """GLM-5 DSA decode: 64 heads (8-way TP of 64 -> 8 local; 16 here), index_topk k selected tokens."""
+    b, h, r, rope, p, s, maxp = 8, 16, 512, 64, 1024, 64, 64
+    qdt = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    args = (_a((b, h, r), qdt), _a((b, h, rope), qdt), _a((p, s, r + rope), dtype), _a((b, maxp), jnp.int32),
+            _a((b, k), jnp.int32), _a((b,), jnp.int32))
+    args += (_a((p, s), jnp.float32),) if dtype == jnp.float8_e4m3fn else ()
+
+    def build(target):
+        def f(ql, qr, x, pt, idx, lens, sc=None):
+            return sparse_mla.sparse_mla_decode_attention(ql, qr, x, pt, idx, lens, scales=sc, sm_scale=0.0722,
+                                                          impl="pallas", interpret=False, target=target)
+        return f
+
+    return Case(f"sparse_mla {jnp.dtype(dtype).name} K{k}", build, args)
 
 
 def _int4(m: int, k: int, n: int, group: int, scale_dtype, experts: int = 0) -> Case:
@@ -136,6 +153,7 @@ def cases() -> list[Case]:
     return [
         _gqa(jnp.bfloat16, 16), _gqa(jnp.float8_e4m3fn, 16), _gqa(jnp.float8_e4m3fn, 64), _gqa(jnp.float32, 64),
         _mla(jnp.bfloat16, 64), _mla(jnp.float8_e4m3fn, 64), _mla(jnp.float8_e4m3fn, 16), _mla(jnp.float32, 16),
+        _sparse_mla(jnp.float8_e4m3fn, 2048), _sparse_mla(jnp.bfloat16, 2048), _sparse_mla(jnp.float32, 100),
         _int4(8, 7168, 7168, 32, jnp.bfloat16), _int4(64, 7168, 2048, 128, jnp.float32),
         _int4(4096, 7168, 2048, 128, jnp.bfloat16),
         _int4(256, 7168, 2048, 32, jnp.bfloat16, experts=16), _int4(64, 2048, 7168, 128, jnp.float32, experts=8),

@@ -19,9 +19,8 @@ converted to numpy/JAX dtypes in exactly one place, :func:`to_dtype`.
 
 About GLM-5 (``GlmMoeDsaForCausalLM``): its DeepSeek Sparse Attention indexer picks the ``index_topk``
 keys each query attends to (:mod:`phaseserve.model.indexer`; while a sequence is no longer than ``index_topk`` it
-selects every causal key, so attention is exactly dense attention). ``forward`` / ``prefill`` run it at any length;
-:attr:`ModelConfig.context_length` (what the engine admits) stays at ``index_topk`` until the engine's decode
-reads cached index keys.
+selects every causal key, so attention is exactly dense attention). ``forward``, ``prefill`` and the engine's
+decode (over FP8 index keys cached beside the latent) run it at any length up to :attr:`ModelConfig.context_length`.
 """
 
 from __future__ import annotations
@@ -197,13 +196,13 @@ class ModelConfig:
     def context_length(self) -> int:
         """Positions the model can attend over: ``max_position_embeddings``, or ``factor x
         original_max_position_embeddings`` where a RoPE scaling (yarn / linear / llama3) extends the original context
-        further (e.g. a Qwen3 config with ``rope_scaling`` added); for GLM-5, ``index_topk``: the engine's decode
-        does not yet read cached DSA index keys, so its attention is exact only up to ``index_topk`` keys."""
+        further (e.g. a Qwen3 config with ``rope_scaling`` added). GLM-5's DSA attention is sparse past ``index_topk``
+        keys (prefill and decode), so ``index_topk`` does not limit it."""
         n = self.max_position_embeddings
         r = self.rope
         if r.kind != "default" and r.original_max_position_embeddings and r.factor > 1:
             n = max(n, int(r.factor * r.original_max_position_embeddings))
-        return min(n, self.index_topk) if self.index_topk is not None else n
+        return n
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from pallas_kernels.common import resolve_impl
 from pallas_kernels.mla_attention import mla_decode_attention
 from pallas_kernels.paged_attention import paged_decode_attention
+from phaseserve.cache import dsa
 from phaseserve.cache.paged import GQAPages, MLAPages, take_pages, write_token_layer
+from phaseserve.model.indexer import DSAQuery
 
 
 class PagedAttend:
@@ -53,6 +55,7 @@ class PagedAttend:
         self.lengths = jnp.where(active, positions + 1, 0)  # i32[B]
         self.tracker, self.sm_scale, self.impl = tracker, sm_scale, impl
         self.finite: jax.Array | None = None  # bool[B] after the first layer when the tracker guards
+        self.selection: jax.Array | None = None  # i32[B, K] the last GLM-5 DSA selection (cache.dsa)
 
     def __call__(self, pages: GQAPages | MLAPages, q: Any, kv: Any) -> tuple[GQAPages | MLAPages, jax.Array]:
         pt, lengths = self.page_table, self.lengths
@@ -63,7 +66,10 @@ class PagedAttend:
             narrow = any(a.dtype.itemsize < 4 for a in jax.tree.leaves(pages))
             if narrow and resolve_impl(self.impl) == "reference":  # see rows_view
                 read, pt = rows_view(pages, pt)
-            if isinstance(pages, MLAPages):
+            if isinstance(q, DSAQuery):
+                o, self.selection = dsa.sparse_attend(read, pt, lengths, q, self.selection, sm_scale=self.sm_scale,
+                                                      impl=self.impl)
+            elif isinstance(pages, MLAPages):
                 q_latent, q_rope = q
                 o = mla_decode_attention(q_latent, q_rope, read.latent, pt, lengths, scales=read.scale,
                                          sm_scale=self.sm_scale, impl=self.impl)

@@ -20,9 +20,10 @@ all-zero token -- and dequantized on read as ``q * scale``. Finite input never p
 outside ``[1, N)``: the null page is never written, so padding rows always read finite zeros.
 
 Memory accounting for the planner and the benchmarks: :func:`kv_bytes_per_token`, :func:`kv_bytes_per_page`,
-:func:`pages_for_budget` (scale bytes included). The GLM-5 DSA indexer keys are *not* stored by this pool (the
-indexer is not implemented; attention is dense while ``seq <= index_topk``); :func:`indexer_bytes_per_token` and
-``include_indexer=True`` give the number a real deployment that caches them would add.
+:func:`pages_for_budget` (scale bytes included). On GLM-5 every layer with its own DSA indexer also keeps one
+index key per token (``MLAPages.index`` [N, S, index_head_dim], FP8 with one f32 scale per token in an FP8 pool)
+under the same page ids, so the page table, the tags, the writes, the handoff and the clears cover it like the
+latent; :func:`indexer_bytes_per_token` counts it (``include_indexer=False``: the latent alone).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class MLAPages:
 
     latent: jax.Array  # [N, S, kv_lora_rank + qk_rope_head_dim]
     scale: jax.Array | None = None  # f32[N, S] (FP8 only)
+    index: jax.Array | None = None  # [N, S, index_head_dim] GLM-5 DSA index keys (layers with their own indexer)
+    index_scale: jax.Array | None = None  # f32[N, S] (FP8 only)
 
 
 @struct.dataclass
@@ -105,10 +108,13 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype: str = 
     scaled = is_scaled(kv_dtype)
     n, s = num_pages, page_size
     layers = []
-    for _ in range(cfg.num_layers):
+    for layer in range(cfg.num_layers):
         if cfg.is_mla:
+            index = has_index_keys(cfg, layer)
             layers.append(MLAPages(latent=jnp.zeros((n, s, cfg.kv_cache_width), dt),
-                                   scale=jnp.ones((n, s), jnp.float32) if scaled else None))
+                                   scale=jnp.ones((n, s), jnp.float32) if scaled else None,
+                                   index=jnp.zeros((n, s, cfg.index_head_dim), dt) if index else None,
+                                   index_scale=jnp.ones((n, s), jnp.float32) if index and scaled else None))
         else:
             shape = (n, s, cfg.num_kv_heads, cfg.head_dim)
             ks = jnp.ones(shape[:3], jnp.float32) if scaled else None
@@ -117,21 +123,29 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype: str = 
     return PagePool(layers=tuple(layers), page_size=page_size, kv_dtype=kv_dtype)
 
 
+def has_index_keys(cfg: ModelConfig, layer: int) -> bool:
+    """Whether ``layer`` caches GLM-5 DSA index keys (a layer that runs its own indexer)."""
+    return cfg.index_topk is not None and cfg.indexer_types[layer] == "full"
+
+
 def _pairs(layer: GQAPages | MLAPages) -> list[tuple[jax.Array, jax.Array | None]]:
     if isinstance(layer, MLAPages):
-        return [(layer.latent, layer.scale)]
+        index = [] if layer.index is None else [(layer.index, layer.index_scale)]
+        return [(layer.latent, layer.scale)] + index
     return [(layer.k, layer.k_scale), (layer.v, layer.v_scale)]
 
 
 def _rebuild(layer: GQAPages | MLAPages, pairs: list[tuple[jax.Array, jax.Array | None]]):
     if isinstance(layer, MLAPages):
-        return layer.replace(latent=pairs[0][0], scale=pairs[0][1])
+        index = pairs[1] if len(pairs) > 1 else (None, None)
+        return layer.replace(latent=pairs[0][0], scale=pairs[0][1], index=index[0], index_scale=index[1])
     (k, ks), (v, vs) = pairs
     return layer.replace(k=k, k_scale=ks, v=v, v_scale=vs)
 
 
 def _values(layer: GQAPages | MLAPages, kv: Any) -> list[jax.Array]:
-    return [kv] if isinstance(layer, MLAPages) else list(kv)
+    """kv as the layer stores it: GQA ``(k, v)``; MLA the latent, or ``(latent, index keys)`` with DSA keys."""
+    return list(kv) if isinstance(kv, tuple) else [kv]
 
 
 # ---- writes -----------------------------------------------------------------------------------------------
@@ -273,7 +287,7 @@ def gather_layer(layer: GQAPages | MLAPages, page_table: jax.Array, dtype: Any =
         d = data[pt].reshape(b, p * s, *data.shape[2:])
         sc = None if scale is None else scale[pt].reshape(b, p * s, *scale.shape[2:])
         out.append(dequantize_kv(d, sc, dtype))
-    return out[0] if isinstance(layer, MLAPages) else tuple(out)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def gather_request(pool: PagePool, page_row: np.ndarray, length: int, dtype: Any = jnp.float32) -> list[Any]:
@@ -293,11 +307,12 @@ def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
     return 2 * cfg.num_kv_heads * cfg.head_dim, 2 * cfg.num_kv_heads
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, include_indexer: bool = False) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, include_indexer: bool = True) -> int:
     """Bytes of decode cache per token over all layers, FP8 scale bytes included.
 
     MLA: ``layers * (kv_lora_rank + rope) * itemsize`` (+ 4 bytes per layer for FP8); GQA: K and V for every KV
-    head (+ 4 bytes per head and per K/V for FP8). ``include_indexer`` adds :func:`indexer_bytes_per_token`.
+    head (+ 4 bytes per head and per K/V for FP8). ``include_indexer`` adds :func:`indexer_bytes_per_token` (what the
+    pool stores for GLM-5's DSA index keys).
     """
     values, scales = _layer_counts(cfg)
     item = to_dtype(kv_dtype).itemsize
@@ -307,24 +322,20 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str, *, include_indexer: bool
 
 
 def indexer_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    """GLM-5 DSA indexer keys a deployment would cache per token (0 for models without an indexer).
-
-    Assumes the keys are stored like the KV: ``index_head_dim`` values per layer in ``kv_dtype``, plus one f32
-    scale per token and layer for FP8 (as DeepSeek-V3.2's FP8 indexer cache). Not stored by :class:`PagePool`.
-    """
-    if not cfg.index_head_dim or cfg.index_topk is None:
-        return 0
+    """GLM-5 DSA index keys cached per token (0 for models without an indexer): ``index_head_dim`` values in
+    ``kv_dtype`` plus one f32 scale for FP8 (as DeepSeek-V3.2's FP8 indexer cache), per layer with its own indexer."""
+    layers = sum(has_index_keys(cfg, i) for i in range(cfg.num_layers)) if cfg.is_mla else 0
     item = to_dtype(kv_dtype).itemsize
-    return cfg.num_layers * (cfg.index_head_dim * item + (SCALE_BYTES if is_scaled(kv_dtype) else 0))
+    return layers * (cfg.index_head_dim * item + (SCALE_BYTES if is_scaled(kv_dtype) else 0))
 
 
-def kv_bytes_per_page(cfg: ModelConfig, kv_dtype: str, page_size: int, *, include_indexer: bool = False) -> int:
+def kv_bytes_per_page(cfg: ModelConfig, kv_dtype: str, page_size: int, *, include_indexer: bool = True) -> int:
     """Bytes of one page id across every layer (``page_size`` tokens)."""
     return page_size * kv_bytes_per_token(cfg, kv_dtype, include_indexer=include_indexer)
 
 
 def pages_for_budget(cfg: ModelConfig, kv_dtype: str, page_size: int, budget_bytes: int, *,
-                     include_indexer: bool = False) -> int:
+                     include_indexer: bool = True) -> int:
     """How many pages (the null page included, as ``CacheConfig.num_pages``) fit in ``budget_bytes``."""
     return int(budget_bytes) // kv_bytes_per_page(cfg, kv_dtype, page_size, include_indexer=include_indexer)
 

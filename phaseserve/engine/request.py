@@ -141,7 +141,7 @@ class Limits:
         if serve.max_context > cfg.context_length:
             raise ConfigError(f"ServeConfig.max_context={serve.max_context} exceeds the model's context of "
                               f"{cfg.context_length} tokens (max_position_embeddings={cfg.max_position_embeddings}, "
-                              f"rope {cfg.rope.kind!r} x{cfg.rope.factor}, index_topk={cfg.index_topk})")
+                              f"rope {cfg.rope.kind!r} x{cfg.rope.factor})")
         if serve.max_context > budget:
             raise ConfigError(f"ServeConfig.max_context={serve.max_context} exceeds what one request can hold: "
                               f"{max_pages} pages x {c.page_size} = {budget} tokens (CacheConfig.max_pages_per_seq="

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from phaseserve.config import ModelConfig, SequenceTooLongError
+from phaseserve.config import ModelConfig
 from phaseserve.model import indexer
 from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import MLAParams
@@ -66,49 +66,62 @@ def output(p: MLAParams, x: jax.Array) -> jax.Array:
 
 def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None,
             selection: jax.Array | None = None, context=None):
-    """Causal attention: x [B, T, D], positions i32[B, T], lengths i32[B] | None -> (out [B, T, D], latent
-    [B, T, kv_lora + rope] to cache, DSA selection i32[B, T, index_topk] or None).
+    """Causal attention: x [B, T, D], positions i32[B, T], lengths i32[B] | None -> (out [B, T, D], KV to cache,
+    DSA selection i32[B, T, index_topk] or None).
 
-    Without a DSA indexer, or while T <= index_topk (every causal key is selected: exactly dense attention), the
-    expanded form with flash prefill; past index_topk the sparse form of :mod:`phaseserve.model.indexer`, where a
-    layer without indexer weights (``indexer_types`` "shared") reuses ``selection`` from the layer before.
-    ``context(latent) -> latent [B, S, kv_lora + rope]`` (None: the tokens themselves) gives the keys to attend over,
-    key s at position s (a prefill chunk over the request's cached latents); ``lengths`` then counts valid keys."""
+    The KV to cache is the latent [B, T, kv_lora + rope], or on a GLM-5 layer with its own DSA indexer the pair
+    ``(latent, index keys [B, T, index_head_dim])``. Without a DSA indexer, or while there are no more than
+    index_topk keys (every causal key is selected: exactly dense attention), the expanded form with flash prefill;
+    past index_topk the sparse form of :mod:`phaseserve.model.indexer`, where a layer without indexer weights
+    (``indexer_types`` "shared") reuses ``selection`` from the layer before. ``context(kv) -> kv over [B, S, ...]``
+    (None: the tokens themselves) gives the keys to attend over, key s at position s (a prefill chunk over the
+    request's cached KV); ``lengths`` then counts valid keys."""
     q_nope, q_rope, q_resid = queries(p, cfg, x, positions)
-    lat = latents(p, cfg, x, positions)
-    ctx = lat if context is None else context(lat)
-    c, k_rope = ctx[..., : cfg.kv_lora_rank], ctx[..., cfg.kv_lora_rank:]
+    kv = lat = latents(p, cfg, x, positions)
+    if p.indexer is not None:
+        kv = (lat, indexer.index_keys(p.indexer, cfg, x, positions))
+    ctx = kv if context is None else context(kv)
+    ctx_lat, ctx_index = ctx if isinstance(ctx, tuple) else (ctx, None)
+    c, k_rope = ctx_lat[..., : cfg.kv_lora_rank], ctx_lat[..., cfg.kv_lora_rank:]
     w_uk, w_uv = _kv_b(p, cfg, x.dtype)
-    if cfg.index_topk is not None and ctx.shape[1] > cfg.index_topk:
-        if context is not None:
-            raise SequenceTooLongError("a prefill chunk attending over more than index_topk cached keys needs the "
-                                       "request's cached DSA index keys, which this path does not read")
+    if cfg.index_topk is not None and ctx_lat.shape[1] > cfg.index_topk:
         index = None
         if p.indexer is not None:
             q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x, positions)
-            index = (q_idx, w, indexer.index_keys(p.indexer, cfg, x, positions))
+            index = (q_idx, w, ctx_index)
         elif selection is None:
             raise ValueError("a DSA layer without indexer weights ('shared') needs the previous layer's selection")
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-        o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx, positions, lengths, softmax_scale(cfg),
-                                                  index=index, selection=selection)
+        o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx_lat, positions, lengths,
+                                                  softmax_scale(cfg), index=index, selection=selection)
         v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
-        return output(p, v), lat, selection
+        return output(p, v), kv, selection
     k_nope = jnp.einsum("btr,rhn->bthn", c, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
     v = jnp.einsum("btr,rhv->bthv", c, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
     out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
-    return output(p, out), lat, None
+    return output(p, out), kv, None
 
 
 def absorbed_queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
-    """One token per row: x [B, D], positions i32[B] -> q_latent [B, H, r], q_rope [B, H, rope], latent [B, r+rope]."""
-    q_nope, q_rope, _ = queries(p, cfg, x[:, None], positions[:, None])
+    """One token per row: x [B, D], positions i32[B] -> (q, kv) for the decode step's ``attend``.
+
+    q is ``(q_latent [B, H, r], q_rope [B, H, rope])`` and kv the latent [B, r + rope]; on GLM-5 (DSA) q is an
+    :class:`phaseserve.model.indexer.DSAQuery` and, on a layer with its own indexer, kv is ``(latent, index key
+    [B, index_head_dim])``."""
+    q_nope, q_rope, q_resid = queries(p, cfg, x[:, None], positions[:, None])
     w_uk, _ = _kv_b(p, cfg, x.dtype)
     q_lat = jnp.einsum("bhn,rhn->bhr", q_nope[:, 0], w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-    return q_lat, q_rope[:, 0], latents(p, cfg, x[:, None], positions[:, None])[:, 0]
+    lat = latents(p, cfg, x[:, None], positions[:, None])[:, 0]
+    if cfg.index_topk is None:
+        return (q_lat, q_rope[:, 0]), lat
+    if p.indexer is None:  # "shared": reuses the previous layer's selection
+        return indexer.DSAQuery(q_lat, q_rope[:, 0], None, None, cfg.index_topk), lat
+    q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x[:, None], positions[:, None])
+    k_idx = indexer.index_keys(p.indexer, cfg, x[:, None], positions[:, None])[:, 0]
+    return indexer.DSAQuery(q_lat, q_rope[:, 0], q_idx[:, 0], w[:, 0], cfg.index_topk), (lat, k_idx)
 
 
 def absorbed_output(p: MLAParams, cfg: ModelConfig, o_latent: jax.Array) -> jax.Array:

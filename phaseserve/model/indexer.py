@@ -21,11 +21,25 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from phaseserve.config import ModelConfig
 from phaseserve.model.layers import apply_rope, rope_cos_sin
 from phaseserve.model.params import IndexerParams
 from phaseserve.qarrays import dense
+
+
+@struct.dataclass
+class DSAQuery:
+    """One decode token's queries on a GLM-5 layer (``attention_mla.absorbed_queries``): the MLA queries and, on a
+    layer with its own indexer, the index queries; ``index_q`` None means "reuse the previous layer's selection"."""
+
+    q_latent: jax.Array  # [B, H, r]
+    q_rope: jax.Array  # [B, H, rope]
+    index_q: jax.Array | None  # [B, Hi, d]
+    index_w: jax.Array | None  # f32[B, Hi]
+    topk: int = struct.field(pytree_node=False)
+
 
 QUERY_BLOCK = 64  # query rows per step of the blockwise prefill
 LAYER_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(index_head_dim, eps=1e-6))

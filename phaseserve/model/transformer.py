@@ -114,15 +114,15 @@ def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: 
 
     - GQA: q [B, H, hd], kv ``(k, v)`` each [B, KV, hd] -> o [B, H, hd];
     - MLA (weight-absorbed): q ``(q_latent [B, H, r], q_rope [B, H, rope])``, kv latent [B, r + rope]
-      -> o [B, H, r].
+      -> o [B, H, r]; GLM-5 (DSA): q an ``indexer.DSAQuery``, kv ``(latent, index key)`` on layers with an indexer.
     """
     x = embed(params, tokens)
     new = []
     for layer, cache in zip(params.layers, caches, strict=True):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
         if cfg.is_mla:
-            q_lat, q_rope, lat = attention_mla.absorbed_queries(layer.attn, cfg, h, positions)
-            cache, o = attend(cache, (q_lat, q_rope), lat)
+            q, kv = attention_mla.absorbed_queries(layer.attn, cfg, h, positions)
+            cache, o = attend(cache, q, kv)
             out = attention_mla.absorbed_output(layer.attn, cfg, o)
         else:
             q, k, v = attention_gqa.decode_queries(layer.attn, cfg, h, positions)

@@ -110,11 +110,11 @@ class Deployment:
         experts = loaded.bytes_of("routed_experts")
         self.weight_bytes_per_device = experts / g + (loaded.total_bytes - experts) / t
         # ---- KV
-        self.latent_bytes_per_token = paged.kv_bytes_per_token(self.cfg, self.kv)
+        self.latent_bytes_per_token = paged.kv_bytes_per_token(self.cfg, self.kv, include_indexer=False)
         self.indexer_bytes_per_token = (paged.indexer_bytes_per_token(self.cfg, self.indexer_dtype)
                                         if a.include_indexer else 0)
         self.kv_bytes_per_token = self.latent_bytes_per_token + self.indexer_bytes_per_token
-        page_bytes = (paged.kv_bytes_per_page(self.cfg, self.kv, a.page_size)
+        page_bytes = (paged.kv_bytes_per_page(self.cfg, self.kv, a.page_size, include_indexer=False)
                       + a.page_size * self.indexer_bytes_per_token)
         self.page_bytes_per_device = math.ceil(page_bytes / self.kv_shards)
         self.usable_bytes_per_device = self.hw.hbm_gib * GIB * a.hbm_utilization

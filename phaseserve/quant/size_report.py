@@ -134,7 +134,8 @@ def checkpoint_report(cfg: ModelConfig, policy: str | QuantPolicy, mtp_layers: i
     policy = resolve_policy(policy)
     full = cfg
     if mtp_layers:
-        full = cfg.replace(num_layers=cfg.num_layers + mtp_layers, moe_layers=cfg.moe_layers + (True,) * mtp_layers)
+        full = cfg.replace(num_layers=cfg.num_layers + mtp_layers, moe_layers=cfg.moe_layers + (True,) * mtp_layers,
+                           indexer_types=cfg.indexer_types + ("full",) * mtp_layers if cfg.indexer_types else ())
     report = size_report(abstract_quantized(full, policy))
     if not mtp_layers:
         return report

@@ -20,7 +20,7 @@ def test_kernel_lowers(case, platform):
 def test_every_kernel_is_covered_on_both_platforms():
     names = {c.name.split()[0] for c, _ in PAIRS}
     assert names == {"paged_gqa", "paged_mla", "int4_matmul", "int4_grouped", "fp8_matmul", "fp8_grouped",
-                     "flash_prefill"}
+                     "flash_prefill", "sparse_mla"}
     for name in names:
         assert {p for c, p in PAIRS if c.name.startswith(name)} == {"tpu", "cuda"}
 

@@ -25,7 +25,7 @@ def test_context_length_follows_rope_scaling():
     kimi = cfg.replace(max_position_embeddings=262144,
                        rope=ps.config.RopeConfig(kind="yarn", factor=64.0, original_max_position_embeddings=4096))
     assert kimi.context_length == 262144
-    assert cfg.replace(index_topk=2048).context_length == 2048  # GLM-5 DSA: dense is exact up to index_topk
+    assert cfg.replace(index_topk=2048).context_length == 40960  # GLM-5 DSA: sparse past index_topk, no limit
 
 
 def test_max_context_derives_the_page_cap():
@@ -45,8 +45,6 @@ def test_default_context_is_the_model_within_the_pool():
 @pytest.mark.parametrize("build,match", [
     (lambda: ps.ServeConfig(max_context=5000, cache=ps.CacheConfig(max_pages_per_seq=64)), "max_pages_per_seq"),
     (lambda: Limits.of(tiny(max_position_embeddings=4096), ps.ServeConfig(max_context=8192)), "model's context"),
-    (lambda: Limits.of(tiny(max_position_embeddings=1 << 20, index_topk=2048), ps.ServeConfig(max_context=4096)),
-     "index_topk=2048"),
     (lambda: Limits.of(tiny(max_position_embeddings=8192), ps.ServeConfig(max_context=4096), num_pages=65),
      "64 pages x 16 = 1024"),
 ])
