@@ -3,7 +3,7 @@ Settings in ``configs/experiment/http_load.yaml``; entry point ``experiments/htt
 
 One engine (the configured representation, e.g. the kv_dtype / weight_dtype / integrity workloads' quant and cache
 groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn in a thread of this process, on
-127.0.0.1). For each concurrency and repeat, the same requests are played in two arms, order rotated:
+127.0.0.1). For each concurrency and repeat, the same requests are played in each arm, order rotated:
 
 - ``in-process``: :func:`phaseserve.bench.workload.drive` (closed loop) on the served engine, run by the engine
   loop thread while no HTTP request is in flight (:meth:`~phaseserve.server.EngineLoop.run_exclusive`);
@@ -11,12 +11,17 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
   ``AsyncOpenAI`` with ``concurrency`` streamed completions in flight (token-id prompts, ``stream_options.
   include_usage``) and measures, per request, TTFT (send -> first chunk), TPOT ((last chunk - first chunk) /
   (completion tokens - 1)) and e2e (send -> end of stream); throughput is completion tokens over the run's wall
-  time (first send -> last stream end).
+  time (first send -> last stream end). The server sends every token as its own event (``stream_interval`` 1);
+- ``http-coalesced`` (when ``experiment.coalesced_interval`` > 1): the same, with the server sending one event per
+  ``coalesced_interval`` tokens (:class:`~phaseserve.server.EngineLoop`'s ``stream_interval``; the first token and
+  the end at once): fewer events for the server to write and the client to parse.
 
 The engine's numbers use the same definitions on its own clock (``RequestMetrics``: arrival at ``add_request``).
 ``overhead`` = HTTP throughput / in-process throughput per repeat (paired), and the same ratios of TTFT, TPOT and
 e2e p50. On a CPU the client process, uvicorn and the engine share the machine's cores, so the HTTP arm also pays
-for its client's CPU time.
+for its client's CPU time. Where the time goes, per run: the CPU seconds of the server process (engine, XLA
+threads, HTTP) and of the client process, and the engine's own counters (prefill batches, decode steps, mean
+running batch, seconds inside prefill and decode calls).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +46,8 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
-ARMS = ["in-process", "http"]
+ARMS = ["in-process", "http", "http-coalesced"]
+ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
 
@@ -51,6 +58,7 @@ class HttpLoadSpec:
     repeats: int = 3
     model_name: str = "phaseserve-default"
     headline_concurrency: int = 32  # where the overhead goal (<= 10% of in-process throughput) is judged
+    coalesced_interval: int = 4  # the http-coalesced arm's tokens per streamed event (<= 1: no such arm)
     timeout_s: float = 300.0  # one client run
 
 
@@ -80,13 +88,20 @@ async def _client_run(base_url: str, model: str, reqs: list[dict], concurrency: 
     import openai
 
     sem = asyncio.Semaphore(concurrency)  # closed loop: a new request starts when one of `concurrency` ends
+    cpu0 = _cpu_s()
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
                                   timeout=timeout_s) as client:
         recs = await asyncio.gather(*(_one(client, model, r, sem) for r in reqs))
     wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
     out_tokens = sum(r["tokens"] for r in recs)
     return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
-            **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
+            "client_cpu_s": _cpu_s() - cpu0, **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used, all its threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def client_main(conn: Any, base_url: str, model: str, timeout_s: float) -> None:
@@ -121,9 +136,22 @@ class Client:
 
 
 # ---- the experiment ---------------------------------------------------------------------------------------
-def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int) -> dict:
-    loop.run_exclusive(lambda _: reset_engine(engine, max_batch=c)).result()
+def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int, interval: int = 1) -> dict:
+    def prepare(_):
+        reset_engine(engine, max_batch=c)
+        loop.stream_interval = interval
+
+    loop.run_exclusive(prepare).result()
     return client.run(reqs, c)
+
+
+def _engine_counters(engine: Engine) -> dict:
+    """What the engine did during the last run (its metrics are reset at the start of each)."""
+    m = engine.metrics
+    running = m.running_samples
+    return {"prefill_batches": m.prefill_batches, "decode_steps": m.decode_steps,
+            "mean_running": sum(running) / len(running) if running else 0.0,
+            "prefill_time_s": m.prefill_time, "decode_time_s": m.decode_time}
 
 
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
@@ -142,6 +170,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     server, thread, base = start_in_thread(app)
     loop: EngineLoop = app.state.loop
     client = Client(base, spec.model_name, spec.timeout_s)
+    arms = ARMS if spec.coalesced_interval > 1 else ARMS[:2]
+    intervals = {"http": 1, "http-coalesced": spec.coalesced_interval}
     records = []
     try:
         for c in concs:
@@ -150,14 +180,17 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
             _http_run(loop, client, engine, warm, c)  # untimed: the client, server and request paths warm
             for rep in range(spec.repeats):
                 reqs = make_requests(cfg.workload, vocab, n, seed=1000 * (rep + 1) + c, tag=f"c{c}r{rep}")
-                for order, arm in enumerate(rotated(ARMS, rep + c)):
-                    if arm == "http":
-                        rec = _http_run(loop, client, engine, reqs, c)
+                for order, arm in enumerate(rotated(arms, rep + c)):
+                    cpu0 = time.process_time()
+                    if arm in intervals:
+                        rec = _http_run(loop, client, engine, reqs, c, intervals[arm])
                     else:
                         rec = loop.run_exclusive(lambda _, r=reqs, k=c: drive(engine, r, k, "closed")).result()
+                    server_cpu = time.process_time() - cpu0
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
-                                               "tpot", "e2e")}
-                    rec.update(arm=arm, point=c, repeat=rep, order=order, load_1m=round(os.getloadavg()[0], 2))
+                                               "tpot", "e2e")} | {"client_cpu_s": rec.get("client_cpu_s", 0.0)}
+                    rec.update(server_cpu_s=server_cpu, engine=_engine_counters(engine), arm=arm, point=c,
+                               repeat=rep, order=order, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
                     log(f"concurrency {c} repeat {rep + 1}/{spec.repeats} {arm}: {rec['output_tok_per_s']:.1f} tok/s, "
                         f"TTFT p50 {rec['ttft']['p50'] * 1e3:.0f} ms, TPOT p50 {rec['tpot']['p50'] * 1e3:.1f} ms")
@@ -165,13 +198,16 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         client.close()
         server.should_exit = True
         thread.join(30)
-    ratios = {m: paired(records, "http", "in-process", m) for m in ("output_tok_per_s", "ttft.p50", "tpot.p50",
-                                                                    "e2e.p50")}
+    ratios = {arm: {m: paired(records, arm, "in-process", m) for m in ("output_tok_per_s", "ttft.p50", "tpot.p50",
+                                                                       "e2e.p50")} for arm in arms[1:]}
     results = {"experiment": "http_load", "environment": env,
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
-                            "workload": to_container(cfg.workload), "repeats": spec.repeats},
-               "records": records, "aggregate": aggregate(records, METRICS), "ratio_http_over_in_process": ratios,
+                            "workload": to_container(cfg.workload), "repeats": spec.repeats,
+                            "coalesced_interval": spec.coalesced_interval},
+               "records": records, "ratio_http_over_in_process": ratios,
+               "aggregate": aggregate(records, METRICS + ["server_cpu_s", "client_cpu_s", "wall_s"]
+                                      + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
     for line in headline(results):
@@ -181,28 +217,36 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
 
 def headline(results: dict) -> list[str]:
     c = results["headline_concurrency"]
-    r = results["ratio_http_over_in_process"]["output_tok_per_s"].get(c) or results[
-        "ratio_http_over_in_process"]["output_tok_per_s"].get(str(c))
-    if not r or r.get("median") is None:
-        return [f"no run at concurrency {c}: no headline"]
-    loss = 1 - r["median"]
-    verdict = "met" if r["median"] >= 0.9 else "NOT met"
-    return [f"HTTP throughput at concurrency {c}: {r['median']:.3f}x in-process (median of {r['n']} paired repeats, "
-            f"range {r['min']:.3f}..{r['max']:.3f}); overhead {loss * 100:.1f}% -- goal <= 10%: {verdict}"]
+    lines = []
+    for arm, by_metric in results["ratio_http_over_in_process"].items():
+        tok = by_metric["output_tok_per_s"]
+        r = tok.get(c) or tok.get(str(c))
+        if not r or r.get("median") is None:
+            lines.append(f"{arm}: no run at concurrency {c}: no headline")
+            continue
+        verdict = "met" if r["median"] >= 0.9 else "NOT met"
+        lines.append(f"{arm} throughput at concurrency {c}: {r['median']:.3f}x in-process (median of {r['n']} paired "
+                     f"repeats, range {r['min']:.3f}..{r['max']:.3f}); overhead {(1 - r['median']) * 100:.1f}% -- goal "
+                     f"<= 10%: {verdict}")
+    return lines
 
 
 def markdown(results: dict) -> str:
     agg, ratios = results["aggregate"], results["ratio_http_over_in_process"]
     points = sorted({rec["point"] for rec in results["records"]})
+    arms = [a for a in ARMS if a in agg]
     s = results["settings"]
-    rows = []
+    rows, where = [], []
     for c in points:
-        for arm in ARMS:
+        for arm in arms:
             a = agg[arm][c]
             rows.append([c, arm, rp.spread(a["output_tok_per_s"]),
                          *(rp.spread({k: (v * 1e3 if isinstance(v, float) else v) for k, v in a[m].items()})
                            for m in METRICS[1:])])
-    ratio_rows = [[c, *(rp.spread(ratios[m][c]) for m in ratios)] for c in points]
+            where.append([c, arm, *(rp.spread(a[m]) for m in ["wall_s", "server_cpu_s", "client_cpu_s"]),
+                          *(rp.spread(a[f"engine.{k}"]) for k in ENGINE_COUNTERS)])
+    ratio_rows = [[c, arm, *(rp.spread(by_metric[m][c]) for m in by_metric)] for arm, by_metric in ratios.items()
+                  for c in points]
     w = s["workload"]
     return "\n\n".join([
         "# HTTP server under load: the official openai client against the same engine in-process",
@@ -211,10 +255,14 @@ def markdown(results: dict) -> str:
         f"engine {s['engine']['mode']}, quant {s['quant']}, cache {s['cache']}. Medians over "
         f"{s['repeats']} repeats [min, max]; times in ms. Client numbers are measured by an `AsyncOpenAI` client "
         "in its own process (streamed completions); in-process numbers by the engine's own clock on the same "
-        "requests, run by the server's engine loop between HTTP runs.",
+        "requests, run by the server's engine loop between HTTP runs. `http` streams every token as an event, "
+        f"`http-coalesced` one event per {s.get('coalesced_interval')} tokens.",
         rp.markdown_table(["concurrency", "arm", "tok/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95",
                            "TPOT p99", "e2e p50", "e2e p95", "e2e p99"], rows),
         "## HTTP / in-process (paired per repeat; tok/s below 1 and times above 1 are the HTTP overhead)",
-        rp.markdown_table(["concurrency", *(f"{m} ratio" for m in ratios)], ratio_rows),
+        rp.markdown_table(["concurrency", "arm", *(f"{m} ratio" for m in next(iter(ratios.values())))], ratio_rows),
+        "## Where the time goes (per run, medians [min, max]; CPU seconds of the server process -- engine, XLA "
+        "threads, HTTP -- and of the client process; the engine's counters; seconds inside prefill / decode calls)",
+        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", "client CPU s", *ENGINE_COUNTERS], where),
         rp.environment_section(results["environment"]),
     ])

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP application (FastAPI): completions, chat completions, models, health, metrics.
 
-``create_app(backend, tokenizer, model_name)`` wraps an :class:`~phaseserve.server.loop.EngineBackend` (or a
-``RouterBackend``) in an :class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and
-format, so no handler blocks the engine and every client's requests share its continuous batch.
+``create_app(backend, tokenizer, model_name, stream_interval)`` wraps an
+:class:`~phaseserve.server.loop.EngineBackend` (or a ``RouterBackend``) in an
+:class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and format, so no handler blocks the
+engine and every client's requests share its continuous batch. A stream writes one server-sent-events batch per
+update the loop hands over (every token, or every ``stream_interval`` tokens; the last text delta carries the
+``finish_reason``, and the usage chunk and ``[DONE]`` go in the same write).
 
 Errors, in OpenAI's body (``{"error": {"message", "type", "param", "code"}}``):
 
@@ -35,11 +38,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from phaseserve.engine import Request, RequestError, RequestOutput
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
-from phaseserve.server.loop import EngineLoop
+from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
 
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the client's connection is checked
+DONE = "data: [DONE]\n\n"
 
 
 class ApiError(Exception):
@@ -65,43 +69,46 @@ class Generation:
         self.loop, self.req, self.text = loop, req, text
         self.handle = loop.submit(req)
         self.output: RequestOutput | None = None
-        self._first: tuple[str, Any] | None = None
+        self._first: Update | None = None
 
     async def start(self) -> None:
-        """Wait for the first event; raise the request's :class:`ApiError` if it was refused or failed at once."""
+        """Wait for the first update; raise the request's :class:`ApiError` if it was refused or failed at once."""
         self._first = await self.handle.get()
-        if self._first[0] == "done":
-            err = _failure(self._first[1])
-            if err is not None:
-                raise err
-        elif self._first[0] == "failed":
-            raise ApiError(500, f"the engine loop stopped: {self._first[1]!r}", "server_error")
+        err = self._error(self._first)
+        if err is not None:
+            raise err
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas until the request ends (a stop string cancels it in the engine); sets :attr:`output`."""
-        item, self._first = self._first or await self.handle.get(), None
+    def _error(self, up: Update) -> ApiError | None:
+        if up.failed is not None:
+            return ApiError(500, f"the engine loop stopped: {up.failed!r}", "server_error")
+        if up.done is not None and not self.text.stopped:
+            return _failure(up.done)
+        return None
+
+    async def deltas(self) -> AsyncIterator[tuple[str, bool]]:
+        """``(text delta, final)`` per update until the request ends (a stop string cancels it in the engine); the
+        final delta includes what was held back; sets :attr:`output`. A delta may be "" (a special token, part of a
+        character): one per update, i.e. per engine step while the handler keeps up, several steps' worth if not."""
+        up, self._first = self._first or await self.handle.get(), None
         while True:
-            kind, arg = item
-            if kind == "failed":
-                raise ApiError(500, f"the engine loop stopped: {arg!r}", "server_error")
-            if kind == "done":
-                self.output = arg
-                if not self.text.stopped:
-                    err = _failure(arg)
-                    if err is not None:
-                        raise err
-                tail = self.text.flush()
-                if tail:
-                    yield tail
-                return
             was_stopped = self.text.stopped
-            delta = self.text.feed(arg)
-            if not was_stopped:
-                yield delta  # possibly "" (a special token, part of a character): one chunk per engine step
+            delta = "" if was_stopped else self.text.feed(up.tokens)
             if self.text.stopped and not was_stopped:
                 self.handle.stop_string = True  # set before the cancel is queued: the loop thread sees it
                 self.loop.cancel(self.req.id)
-            item = await self.handle.get()
+            if not up.final:
+                if not was_stopped:
+                    yield delta, False
+                up = await self.handle.get()
+                continue
+            err = self._error(up)
+            if err is not None:
+                if delta:
+                    yield delta, False
+                raise err
+            self.output = up.done
+            yield delta + self.text.flush(), True
+            return
 
     def cancel(self) -> None:
         if self.output is None:
@@ -117,13 +124,14 @@ class Generation:
         return usage(len(self.req.prompt), len(self.text.ids))
 
 
-def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
+def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1) -> FastAPI:
     metrics = ServerMetrics(model_name)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["loop"] = app.state.loop = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step)
+        state["loop"] = app.state.loop = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step,
+                                                        stream_interval=stream_interval)
         yield
         state["loop"].close()
 
@@ -150,7 +158,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
     async def run_to_end(gen: Generation, http: HttpRequest) -> str:
         """All the text of a non-streamed request; the request is cancelled if the client goes away."""
         async def collect() -> str:
-            return "".join([d async for d in gen.deltas()])
+            return "".join([d async for d, _ in gen.deltas()])
 
         task = asyncio.ensure_future(collect())
         try:
@@ -164,16 +172,21 @@ def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
         finally:
             gen.cancel()
 
-    def sse(chunks: AsyncIterator[dict], gen: Generation) -> StreamingResponse:
+    def sse(batches: AsyncIterator[list[dict]], gen: Generation) -> StreamingResponse:
+        """Server-sent events: one write per batch of chunks (an update's chunks, and ``[DONE]`` with the last)."""
         async def body():
+            done = False
             try:
-                async for c in chunks:
-                    yield f"data: {json.dumps(c)}\n\n"
+                async for batch in batches:
+                    text = "".join(f"data: {json.dumps(c)}\n\n" for c in batch)
+                    done = gen.output is not None
+                    yield text + DONE if done else text
             except ApiError as e:
                 yield f"data: {json.dumps(e.body)}\n\n"
             finally:
                 gen.cancel()  # a disconnect (or any early end) frees the request's pages now
-            yield "data: [DONE]\n\n"
+            if not done:
+                yield DONE
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -211,12 +224,12 @@ def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
 
         async def chunks():
             extra = {"usage": None} if body.include_usage else {}
-            async for d in gen.deltas():
-                yield {**head, "choices": [{"index": 0, "text": d, "logprobs": None, "finish_reason": None}], **extra}
-            yield {**head, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                        "finish_reason": gen.finish_reason}], **extra}
-            if body.include_usage:
-                yield {**head, "choices": [], "usage": gen.usage()}
+            async for d, final in gen.deltas():  # the last text delta carries the finish_reason
+                batch = [{**head, "choices": [{"index": 0, "text": d, "logprobs": None,
+                                               "finish_reason": gen.finish_reason if final else None}], **extra}]
+                if final and body.include_usage:
+                    batch.append({**head, "choices": [], "usage": gen.usage()})
+                yield batch
 
         return sse(chunks(), gen)
 
@@ -250,17 +263,20 @@ def create_app(backend: Any, tokenizer: Any, model_name: str) -> FastAPI:
                 return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
                         **extra}
 
-            yield chunk({"role": "assistant", "content": ""})
-            async for d in gen.deltas():
-                yield chunk({"content": d})
-            content, calls = text.reply()
-            if calls:
-                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]})
-            elif text.call_ids is not None:  # a call that did not parse comes back as text
-                yield chunk({"content": content[len(text.text):]})
-            yield chunk({}, "tool_calls" if calls else gen.finish_reason)
-            if body.include_usage:
-                yield {**head, "choices": [], "usage": gen.usage()}
+            batch = [chunk({"role": "assistant", "content": ""})]
+            async for d, final in gen.deltas():
+                batch.append(chunk({"content": d}))
+                if final:
+                    content, calls = text.reply()
+                    if calls:
+                        batch.append(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
+                    elif text.call_ids is not None:  # a call that did not parse comes back as text
+                        batch.append(chunk({"content": content[len(text.text):]}))
+                    batch.append(chunk({}, "tool_calls" if calls else gen.finish_reason))
+                    if body.include_usage:
+                        batch.append({**head, "choices": [], "usage": gen.usage()})
+                yield batch
+                batch = []
 
         return sse(chunks(), gen)
 

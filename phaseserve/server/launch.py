@@ -83,8 +83,8 @@ def serve(cfg: DictConfig) -> None:
         raise ConfigError(f"the model's vocabulary ({backend.limits.vocab_size}) does not fit the byte tokenizer")
     s = cfg.experiment
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend) on http://{s.host}:{s.port}/v1", flush=True)
-    uvicorn.run(create_app(backend, tok, str(s.model_name)), host=str(s.host), port=int(s.port),
-                log_level=str(s.log_level))
+    app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval))
+    uvicorn.run(app, host=str(s.host), port=int(s.port), log_level=str(s.log_level))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

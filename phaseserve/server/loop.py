@@ -7,6 +7,8 @@
     loop.submit(req) -> Handle  --inbox-->      backend.submit(req)         (validated there; typed errors)
     loop.cancel(id)             --inbox-->      backend.cancel(id)          (pages released at once)
     await handle.get()  <--call_soon_threadsafe--  after each backend.advance(): new tokens, the finish
+                                                (one call per iteration for all requests; a handler that is
+                                                behind gets every token since its last get in one Update)
 
 Every request in flight, from every HTTP client, is in the same engine, so continuous batching works across
 clients. The loop reads each request's progress off its :class:`~phaseserve.RequestOutput` (tokens appended,
@@ -132,31 +134,59 @@ class RouterBackend:
 
 
 @dataclass
+class Update:
+    """Everything that happened to one request since its handler last looked: new token ids, and on the last update
+    the finished output (``done``) or why the loop itself stopped (``failed``)."""
+
+    tokens: list[int]
+    done: RequestOutput | None = None
+    failed: BaseException | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.done is not None or self.failed is not None
+
+
+@dataclass
 class Handle:
-    """One submitted request as the HTTP side sees it: ``await get()`` -> ``("tokens", [ids])`` or
-    ``("done", RequestOutput)`` (the last item)."""
+    """One submitted request as the HTTP side sees it: ``await get()`` -> an :class:`Update` holding every token
+    delivered since the previous ``get`` (a handler that falls behind gets them coalesced, not one wake-up each)."""
 
     request: Request
     aio: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     output: RequestOutput | None = None  # set by the loop thread on submission
-    sent: int = 0  # tokens handed to ``queue`` so far (loop thread only)
+    sent: int = 0  # tokens handed over so far (loop thread only)
     stop_string: bool = False  # the HTTP side ended it at a stop string (then cancelled it in the engine)
+    _pending: Update = field(default_factory=lambda: Update([]))  # event-loop thread only
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def get(self) -> tuple[str, Any]:
-        return await self.queue.get()
+    async def get(self) -> Update:
+        await self._ready.wait()
+        self._ready.clear()
+        up, self._pending = self._pending, Update([])
+        return up
 
-    def _put(self, item: tuple[str, Any]) -> None:
-        self.aio.call_soon_threadsafe(self.queue.put_nowait, item)
+    def _add(self, tokens: list[int], done: RequestOutput | None = None, failed: BaseException | None = None) -> None:
+        """Event-loop thread: merge a delivery into the pending update and wake the handler."""
+        self._pending.tokens += tokens
+        self._pending.done = done or self._pending.done
+        self._pending.failed = failed or self._pending.failed
+        self._ready.set()
 
 
 class EngineLoop:
     """Runs ``backend`` in a thread; :meth:`submit` and :meth:`cancel` are safe from any thread.
 
-    ``on_finish(handle)`` and ``on_step(stats)`` (optional) are called from the loop thread (metrics)."""
+    ``on_finish(handle)`` and ``on_step(stats)`` (optional) are called from the loop thread (metrics).
+    ``stream_interval``: a request's tokens are handed over once at least this many are new (its first token, and its
+    end, at once): 1 streams every token as it is made; more means fewer wake-ups and server-sent events per request
+    (each costs CPU in the server and in the client), in bursts of that many tokens."""
 
-    def __init__(self, backend: Any, on_finish=None, on_step=None):
+    def __init__(self, backend: Any, on_finish=None, on_step=None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.backend, self.on_finish, self.on_step = backend, on_finish, on_step
+        self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, Handle] = {}
         self._calls: list[tuple] = []  # run_exclusive calls waiting for the backend to drain
@@ -208,7 +238,7 @@ class EngineLoop:
         except BaseException as e:  # the loop itself broke (not one request): fail every waiter, say why
             self.error = e
             for h in self._active.values():
-                h._put(("failed", e))
+                h.aio.call_soon_threadsafe(h._add, [], None, e)
             raise
 
     def _drain(self, block: bool) -> None:
@@ -242,20 +272,21 @@ class EngineLoop:
         for rid, h in list(self._active.items()):
             out = h.output
             n = len(out.tokens)
-            if n > h.sent:
-                batches.setdefault(h.aio, []).append((h.queue, ("tokens", list(out.tokens[h.sent:n]))))
-                h.sent = n
-            if out.finish_reason is not None:
+            done = out if out.finish_reason is not None else None
+            if done is None and (n == h.sent or 0 < h.sent and n - h.sent < self.stream_interval):
+                continue
+            batches.setdefault(h.aio, []).append((h, list(out.tokens[h.sent:n]), done))
+            h.sent = n
+            if done is not None:
                 if out.metrics.finished is None:
                     out.metrics.finished = time.perf_counter()
                 del self._active[rid]
-                batches.setdefault(h.aio, []).append((h.queue, ("done", out)))
                 if self.on_finish is not None:
                     self.on_finish(h)
         for aio, items in batches.items():
-            aio.call_soon_threadsafe(_put_all, items)
+            aio.call_soon_threadsafe(_add_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _add_all(items: list[tuple[Handle, list[int], RequestOutput | None]]) -> None:
+    for h, tokens, done in items:
+        h._add(tokens, done)
