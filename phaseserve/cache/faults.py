@@ -105,7 +105,8 @@ class FaultInjector:
     def poison(pool: PagePool, layer: int, page: int, slot: int, *, target: str = "data",
                value: float = float("nan")) -> PagePool:
         """Write ``value`` into element 0 of (page, slot)'s data in ``layer`` (``target="data"``; GQA: K) or its
-        scale (``target="scale"``, FP8 pools only). FP8 data has no inf: inf becomes NaN, as in the hardware cast."""
+        scale (``target="scale"``, FP8 pools only), or into a GLM-5 DSA index key (``"index"``) or its scale
+        (``"index_scale"``). FP8 data has no inf: inf becomes NaN, as in the hardware cast."""
         lay = pool.layers[layer]
         mla = isinstance(lay, MLAPages)
         if target == "data":
@@ -113,6 +114,10 @@ class FaultInjector:
             idx = (page, slot, 0) if mla else (page, slot, 0, 0)
             new = arr.at[idx].set(jnp.asarray(value, jnp.float32).astype(arr.dtype))
             lay = lay.replace(latent=new) if mla else lay.replace(k=new)
+        elif target in ("index", "index_scale") and mla and getattr(lay, target) is not None:
+            arr = getattr(lay, target)
+            new = (arr.at[page, slot, 0].set(value) if target == "index" else arr.at[page, slot].set(value))
+            lay = lay.replace(**{target: new})
         elif target == "scale":
             arr = lay.scale if mla else lay.k_scale
             if arr is None:
@@ -120,7 +125,8 @@ class FaultInjector:
             new = arr.at[(page, slot) if mla else (page, slot, 0)].set(value)
             lay = lay.replace(scale=new) if mla else lay.replace(k_scale=new)
         else:
-            raise ValueError(f"target must be 'data' or 'scale', got {target!r}")
+            raise ValueError(f"target must be 'data', 'scale', or 'index' / 'index_scale' on a layer with DSA index "
+                             f"keys, got {target!r}")
         layers = list(pool.layers)
         layers[layer] = lay
         return pool.replace(layers=tuple(layers))
