@@ -19,7 +19,8 @@ from phaseserve.eval.quality import final_lines, run
 def main(cfg: DictConfig) -> None:
     out = HydraConfig.get().runtime.output_dir
     rows = run(cfg.checkpoint or default_model_path(), out, num_requests=cfg.num_requests, max_tokens=cfg.max_tokens,
-               num_windows=cfg.num_windows, calib_sequences=cfg.calib_sequences, seed=cfg.seed, progress=print)
+               num_windows=cfg.num_windows, calib_sequences=cfg.calib_sequences, seed=cfg.seed,
+               tool_mix=cfg.tool_mix, progress=print)
     for line in final_lines(rows, out):  # verdicts, then the run directory
         print(line)
 

@@ -179,16 +179,26 @@ def stats(values: list[float | None], ci: bool = False) -> dict:
 def median_ci(values: list[float], confidence: float = 0.95, seed: int = 0) -> tuple[float | None, float | None]:
     """Percentile-bootstrap confidence interval of the median (``scipy.stats.bootstrap``); (None, None) below 3
     values. Identical values give a zero-width interval."""
+    return bootstrap_ci((values,), np.median, confidence, seed)
+
+
+def bootstrap_ci(samples: tuple, statistic: Callable, confidence: float = 0.95, seed: int = 0,
+                 paired: bool = False) -> tuple[float | None, float | None]:
+    """Percentile-bootstrap confidence interval of ``statistic(*samples, axis=-1)`` (``scipy.stats.bootstrap``;
+    ``paired``: the samples are resampled together, e.g. two representations scored on the same requests);
+    (None, None) below 3 values. When every resample gives the same value the interval has zero width."""
     from scipy.stats import bootstrap
 
-    x = np.asarray(values, float)
-    if x.size < 3:
+    xs = tuple(np.asarray(x, float) for x in samples)
+    if xs[0].size < 3:
         return None, None
-    if np.all(x == x[0]):
-        return float(x[0]), float(x[0])
-    res = bootstrap((x,), np.median, confidence_level=confidence, method="percentile", n_resamples=2000,
-                    random_state=np.random.default_rng(seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+    stat = float(statistic(*xs, axis=-1))
+    if all(np.all(x == x[0]) for x in xs):
+        return stat, stat
+    res = bootstrap(xs, statistic, confidence_level=confidence, method="percentile", n_resamples=2000,
+                    paired=paired, random_state=np.random.default_rng(seed))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return (lo, hi) if np.isfinite(lo) and np.isfinite(hi) else (stat, stat)
 
 
 def aggregate(records: list[dict], metrics: list[str]) -> dict[str, dict[Any, dict[str, dict]]]:

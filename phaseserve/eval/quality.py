@@ -1,16 +1,27 @@
-"""The quality table: every weight representation and KV dtype measured on the shipped default model.
+"""The quality table: every representation the design serves, measured on the shipped default model.
 
-Per weight representation (``float32`` reference, ``bfloat16``, ``fp8``, ``int4`` RTN and ``int4`` GPTQ in the
-Kimi layout -- routed experts INT4 group 32, the rest BF16): held-out perplexity, and KL divergence and top-1
-agreement of the next-token distribution against the float32 model, all from ``ps.forward``. Per combination in
-``COMBOS``, through the real engine (colocated, one representation for both phases; plus the design's
-disaggregated FP8-prefill / INT4-decode / FP8-KV row): tool-call validity and exact match on held-out requests,
-and greedy token agreement with the float32 engine. GPTQ is calibrated on training-split text; its params are
-quantized once and handed to the engine already in their representation (kept bit for bit).
+Weights alone (``WEIGHTS``: ``float32`` reference, ``bfloat16``, ``fp8``, ``int4`` RTN and ``int4`` GPTQ in the Kimi
+layout -- routed experts INT4 group 32, the rest BF16), from ``ps.forward``: held-out perplexity, KL and top-1 against
+float32, checked against ``LIMITS``.
+
+Per serving representation (``ROWS``: prefill weights, decode weights, KV dtype -- the five weight representations,
+FP8 KV on float32 weights, and the published combination FP8 prefill + INT4 GPTQ decode + FP8 KV):
+
+- tool calls on held-out requests through the real engine: exact match, validity, argument accuracy, and greedy
+  token agreement with the float32 engine;
+- next-token distributions *as served* (``cached_decode.served_logits``: the first half of each held-out window
+  prefilled with the prefill weights, its KV stored in the row's KV dtype, the second half teacher-forced through
+  the decode weights' decode step): perplexity, KL to float32 and top-1 agreement on the second half.
+
+Each metric has a 95% percentile-bootstrap interval over requests / windows (``bench.measure.bootstrap_ci``), and so
+has its paired difference to the float32 row (same requests, same windows): a difference is *significant* when that
+interval excludes 0. GPTQ is calibrated on training-split text; its params are quantized once and handed to the
+engine already in their representation (kept bit for bit).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -20,10 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import phaseserve as ps
-from phaseserve.data import examples
+from phaseserve.bench.measure import bootstrap_ci
 from phaseserve.data.corpus import eval_windows, text_stream
-from phaseserve.eval.generation import engine_generate_fn, evaluate_tool_calls, heldout_perplexity
-from phaseserve.eval.metrics import kl_divergence, token_match_rate, top1_agreement
+from phaseserve.data.toolcalls import iter_examples
+from phaseserve.eval.cached_decode import served_logits
+from phaseserve.eval.generation import engine_generate_fn, heldout_perplexity, score_tool_calls
+from phaseserve.eval.metrics import kl_divergence, token_match_rate, token_nll, top1_agreement
 from phaseserve.quant import collect_calibration, quantize_params
 
 WEIGHTS = {  # name -> policy string (engine QuantConfig weights)
@@ -45,11 +58,18 @@ LIMITS = {
     "int4-rtn": {"kl": 0.012, "top1": 0.93, "ppl_ratio": 1.03},
     "int4-gptq": {"kl": 0.012, "top1": 0.93, "ppl_ratio": 1.03},
 }
-# (decode weights, KV, prefill weights or None = same): the representation diagonal with BF16 KV, FP8 KV on the
-# float32 model, and the design row (FP8 prefill, GPTQ INT4 decode, FP8 KV).
-COMBOS = [("float32", "bfloat16", None), ("float32", "float8_e4m3fn", None), ("bfloat16", "bfloat16", None),
-          ("fp8", "bfloat16", None), ("int4-rtn", "bfloat16", None), ("int4-gptq", "bfloat16", None),
-          ("int4-gptq", "float8_e4m3fn", "fp8")]
+# name -> (prefill weights, decode weights, KV dtype); float32 is the reference every row is compared with.
+ROWS = {
+    "float32": ("float32", "float32", "float32"),
+    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
+    "fp8": ("fp8", "fp8", "bfloat16"),
+    "int4-rtn": ("int4-rtn", "int4-rtn", "bfloat16"),
+    "int4-gptq": ("int4-gptq", "int4-gptq", "bfloat16"),
+    "fp8-kv": ("float32", "float32", "float8_e4m3fn"),
+    "published": ("fp8", "int4-gptq", "float8_e4m3fn"),
+}
+TOOL_METRICS = ("exact_match", "validity", "argument_accuracy")
+LOGIT_METRICS = ("ppl", "kl", "top1")
 
 
 def _calibration(params, cfg, n: int, seq_len: int, seed: int):
@@ -91,30 +111,61 @@ def check(name: str, metrics: dict[str, float], ref: dict[str, float]) -> list[s
     return out
 
 
-def _engine(cfg, params, weights: str, kv: str, prefill: str | None = None) -> ps.Engine:
-    """GPTQ params arrive already quantized; the engine's policy names their representation (kimi-int4), which
-    keeps such leaves bit for bit."""
-    weights = weights.replace(",routed_experts=int4:g32:bf16:gptq", "")
-    quant = ps.QuantConfig(prefill_weights=prefill or weights, decode_weights=weights, kv_dtype=kv,
+def _engine(cfg, params, prefill: str, decode: str, kv: str, max_len: int) -> ps.Engine:
+    """An engine serving ``decode`` weights (and ``prefill`` ones, disaggregated, when they differ). GPTQ params arrive
+    already quantized; the engine's policy names their representation (kimi-int4), which keeps them bit for bit."""
+    plain = {name: WEIGHTS[name].replace(",routed_experts=int4:g32:bf16:gptq", "") for name in (prefill, decode)}
+    quant = ps.QuantConfig(prefill_weights=plain[prefill], decode_weights=plain[decode], kv_dtype=kv,
                            prefill_kv_dtype="bfloat16" if kv != "float32" else "float32", int4_group_size=32)
-    serve = ps.ServeConfig(mode="disaggregated" if prefill else "colocated", quant=quant, max_batch=32,
-                           cache=ps.CacheConfig(page_size=16, num_pages=32 * 16 + 2, max_pages_per_seq=16))
+    pages = -(-max_len // 16)
+    serve = ps.ServeConfig(mode="disaggregated" if prefill != decode else "colocated", quant=quant, max_batch=32,
+                           cache=ps.CacheConfig(page_size=16, num_pages=32 * pages + 2, max_pages_per_seq=pages))
     return ps.Engine(cfg, params, serve)
 
 
+def tool_requests(cfg, n: int, max_tokens: int, mix: str, seed: int) -> list:
+    """``n`` held-out requests of ``mix`` whose prompt and answer fit the model's context."""
+    fits = (r for r in iter_examples("heldout", seed, mix)
+            if len(r.prompt_ids(ps_tok())) + max_tokens <= cfg.max_position_embeddings)
+    return list(itertools.islice(fits, n))
+
+
+def served_metrics(ref_logits: list, params_pre, params_dec, cfg, windows: np.ndarray, kv: str) -> tuple[dict, list]:
+    """Per-window samples (``nll``, ``kl``, ``top1``) of one representation as served (module docstring), and its
+    logits. windows i32[N, T + 1]; ``ref_logits`` the float32 row's logits per batch of 8 (empty: this is it)."""
+    t = windows.shape[1] - 1
+    prefix = t // 2
+    samples: dict[str, list[float]] = {"nll": [], "kl": [], "top1": []}
+    logits_out = []
+    for i, s in enumerate(range(0, len(windows), 8)):
+        w = jnp.asarray(windows[s: s + 8])
+        logits = served_logits(params_pre, params_dec, cfg, w[:, :-1], prefix=prefix, kv_dtype=kv)
+        ref = ref_logits[i] if ref_logits else logits
+        logits_out.append(logits)
+        nll = token_nll(logits, w[:, prefix:])  # f32[B, T - prefix + 1]
+        for r in range(w.shape[0]):
+            samples["nll"].append(float(jnp.mean(nll[r])))
+            samples["kl"].append(kl_divergence(ref[r: r + 1], logits[r: r + 1]))
+            samples["top1"].append(top1_agreement(ref[r: r + 1], logits[r: r + 1]))
+    return samples, logits_out
+
+
 def run(model_path: str | Path, out_dir: str | Path, *, num_requests: int = 48, max_tokens: int = 96,
-        num_windows: int = 32, calib_sequences: int = 32, seed: int = 0, progress=lambda msg: None) -> dict:
+        num_windows: int = 32, calib_sequences: int = 32, seed: int = 0, tool_mix: str = "basic",
+        progress=lambda msg: None) -> dict:
     """Measure everything, write ``quality.json`` and ``README.md`` into ``out_dir``, return the results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg, f32 = ps.load_checkpoint(model_path, "float32")
     windows = eval_windows("heldout", seq_len=min(256, cfg.max_position_embeddings), num=num_windows)
     calib = _calibration(f32, cfg, calib_sequences, 128, seed)
-    reqs = examples(num_requests, "heldout", seed=seed)
+    reqs = tool_requests(cfg, num_requests, max_tokens, tool_mix, seed)
     prompts = [r.prompt_ids(ps_tok()) for r in reqs]
-    rows: dict[str, Any] = {"settings": {"num_requests": num_requests, "max_tokens": max_tokens,
-                                         "num_windows": num_windows, "calib_sequences": calib_sequences, "seed": seed},
-                            "weights": {}, "serving": []}
+    max_len = max(len(p) for p in prompts) + max_tokens
+    rows: dict[str, Any] = {"settings": {"num_requests": len(reqs), "max_tokens": max_tokens, "tool_mix": tool_mix,
+                                         "num_windows": num_windows, "calib_sequences": calib_sequences, "seed": seed,
+                                         "kinds": sorted({r.kind for r in reqs})},
+                            "weights": {}, "rows": {}}
     reps = {}
     for name in WEIGHTS:
         progress(f"weights {name}")
@@ -123,53 +174,110 @@ def run(model_path: str | Path, out_dir: str | Path, *, num_requests: int = 48, 
                                  **_logit_metrics(f32, reps[name], cfg, windows)}
     ref = rows["weights"]["float32"]
     rows["limits_broken"] = {name: check(name, m, ref) for name, m in rows["weights"].items()}
-    ref_tokens = engine_generate_fn(_engine(cfg, f32, "float32", "float32"))(prompts, max_tokens)
-    for w, kv, pre in COMBOS:
-        progress(f"engine weights={w} kv={kv} prefill={pre or w}")
-        params = reps[w] if pre is None else f32
-        if pre is not None:  # the design row: FP8 prefill copy from f32, GPTQ INT4 decode copy pre-quantized
-            eng = _engine(cfg, f32, WEIGHTS[w], kv, prefill=WEIGHTS[pre])
-            eng.decode.params = ps.sharding.shard_params(cfg, reps[w], eng.decode_mesh)
-        else:
-            eng = _engine(cfg, params, WEIGHTS[w], kv)
-        gen = engine_generate_fn(eng)
-        report = evaluate_tool_calls(gen, reqs, max_tokens=max_tokens)
-        toks = gen(prompts, max_tokens)
-        rows["serving"].append({"prefill_weights": pre or w, "decode_weights": w, "kv": kv, **report.as_dict(),
-                                "token_agreement_vs_f32": token_match_rate(ref_tokens, toks)})
-    (out / "quality.json").write_text(json.dumps(rows, indent=2))
-    (out / "README.md").write_text(markdown(rows, cfg, num_requests, max_tokens, num_windows))
+    ref_logits: list = []
+    ref_tokens = None
+    for name, (pre, dec, kv) in ROWS.items():
+        progress(f"row {name}: prefill {pre}, decode {dec}, KV {kv}")
+        samples, logits = served_metrics(ref_logits, reps[pre], reps[dec], cfg, windows, kv)
+        ref_logits = ref_logits or logits
+        eng = _engine(cfg, f32 if pre != dec else reps[dec], pre, dec, kv, max_len)
+        if pre != dec:  # disaggregated: the prefill copy is made from float32, the decode copy handed in quantized
+            eng.decode.params = ps.sharding.shard_params(cfg, reps[dec], eng.decode_mesh)
+        toks = engine_generate_fn(eng)(prompts, max_tokens)
+        ref_tokens = ref_tokens or toks
+        report = score_tool_calls(toks, reqs)
+        samples.update({"exact_match": [float(x) for x in report.exact],
+                        "validity": [float(x) for x in report.valid],
+                        "arg_hits": [h for h, _ in report.argument_hits],
+                        "arg_total": [t for _, t in report.argument_hits]})
+        rows["rows"][name] = {"prefill_weights": pre, "decode_weights": dec, "kv": kv, "samples": samples,
+                              "exact_by_kind": report.exact_by_kind,
+                              "token_agreement_vs_f32": token_match_rate(ref_tokens, toks)}
+    rows["intervals"] = intervals(rows["rows"])
+    (out / "quality.json").write_text(json.dumps(rows, indent=1))
+    (out / "README.md").write_text(markdown(rows, cfg))
     return rows
 
 
+# ---- confidence intervals -------------------------------------------------------------------------------------
+def _mean(x, axis=-1):
+    return np.mean(x, axis=axis)
+
+
+def _ppl(nll, axis=-1):
+    return np.exp(np.mean(nll, axis=axis))
+
+
+def _ratio(hits, total, axis=-1):
+    return np.sum(hits, axis=axis) / np.maximum(np.sum(total, axis=axis), 1)
+
+
+STATISTICS = {  # metric -> (sample keys, statistic over them)
+    "exact_match": (("exact_match",), _mean), "validity": (("validity",), _mean),
+    "argument_accuracy": (("arg_hits", "arg_total"), _ratio),
+    "ppl": (("nll",), _ppl), "kl": (("kl",), _mean), "top1": (("top1",), _mean),
+}
+
+
+def intervals(rows: dict, ref: str = "float32", confidence: float = 0.95) -> dict:
+    """Per row and metric: the value, its bootstrap CI, and the paired difference to ``ref`` with its CI and
+    whether that CI excludes 0 (``significant``)."""
+    out: dict = {}
+    for name, row in rows.items():
+        out[name] = {}
+        for metric, (keys, stat) in STATISTICS.items():
+            xs = tuple(np.asarray(row["samples"][k], float) for k in keys)
+            refs = tuple(np.asarray(rows[ref]["samples"][k], float) for k in keys)
+            k = len(keys)
+
+            def diff(*both, axis=-1, stat=stat, k=k):
+                return stat(*both[:k], axis=axis) - stat(*both[k:], axis=axis)
+
+            lo, hi = bootstrap_ci(xs, stat, confidence)
+            dlo, dhi = bootstrap_ci(xs + refs, diff, confidence, paired=True)
+            d = float(diff(*xs, *refs))
+            out[name][metric] = {"value": float(stat(*xs)), "ci": [lo, hi], "diff": d, "diff_ci": [dlo, dhi],
+                                 "significant": bool(dlo is not None and (dlo > 0 or dhi < 0))}
+    return out
+
+
 def render(out_dir: str | Path, model_path: str | Path) -> list[str]:
-    """Rewrite ``README.md`` from ``quality.json`` (limits re-checked; nothing measured); returns the last lines."""
+    """Rewrite ``README.md`` from ``quality.json`` (limits and intervals recomputed; nothing measured); returns the
+    last lines."""
     out = Path(out_dir)
     rows = json.loads((out / "quality.json").read_text())
     ref = rows["weights"]["float32"]
     rows["limits_broken"] = {name: check(name, m, ref) for name, m in rows["weights"].items()}
-    st = rows["settings"]
+    rows["intervals"] = intervals(rows["rows"])
     cfg = ps.ModelConfig.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
-    (out / "README.md").write_text(markdown(rows, cfg, st["num_requests"], st["max_tokens"], st["num_windows"]))
+    (out / "README.md").write_text(markdown(rows, cfg))
     return final_lines(rows, out)
 
 
+def _sig_rows(rows: dict) -> list[str]:
+    return [f"{name} {metric} {iv['diff']:+.4f}" for name, ms in rows["intervals"].items() for metric, iv in ms.items()
+            if iv["significant"]]
+
+
 def final_lines(rows: dict, out_dir: str | Path) -> list[str]:
-    """The experiment's last lines: each representation against float32 within LIMITS, the engine's tool-call and
-    agreement ranges, then the run directory."""
+    """The experiment's last lines: weights within LIMITS, the published combination against float32 on exact match
+    and validity, the significant differences, then the run directory."""
     ref, broken = rows["weights"]["float32"], rows.get("limits_broken", {})
     reps = [n for n in rows["weights"] if n != "float32"]
     ok = not any(broken.values())
-    serving = rows["serving"]
+    iv = rows["intervals"]
+    pub = "; ".join(f"{m} {iv['published'][m]['value']:.3f} vs {iv['float32'][m]['value']:.3f} "
+                    f"(difference {iv['published'][m]['diff']:+.3f}, 95% CI {_ci(iv['published'][m]['diff_ci'])}"
+                    f"{', significant' if iv['published'][m]['significant'] else ', within the interval'})"
+                    for m in ("exact_match", "validity"))
+    sig = _sig_rows(rows)
     return [
         "weights vs float32 (KL nats, top-1, perplexity): " + "; ".join(
             f"{n} {rows['weights'][n]['kl']:.4f}, {rows['weights'][n]['top1']:.3f}, "
             f"{100 * (rows['weights'][n]['ppl'] / ref['ppl'] - 1):+.2f}%" for n in reps)
         + " -> " + ("every limit holds" if ok else "; ".join(x for xs in broken.values() for x in xs)),
-        f"through the engine ({len(serving)} combinations): tool-call validity "
-        f"{min(r['validity'] for r in serving):.3f}..{max(r['validity'] for r in serving):.3f}, greedy token "
-        f"agreement vs float32 {min(r['token_agreement_vs_f32'] for r in serving):.3f}.."
-        f"{max(r['token_agreement_vs_f32'] for r in serving):.3f}",
+        f"published combination (FP8 prefill, INT4 GPTQ decode, FP8 KV) vs float32: {pub}",
+        "significant differences from float32 (paired 95% bootstrap CI excludes 0): " + ("; ".join(sig) or "none"),
         f"run directory: {out_dir}"]
 
 
@@ -179,46 +287,48 @@ def ps_tok():
     return ByteTokenizer()
 
 
-def markdown(rows: dict, cfg, n: int, max_tokens: int, num_windows: int) -> str:
-    ref = rows["weights"]["float32"]
+def _ci(ci) -> str:
+    return "n/a" if ci[0] is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def markdown(rows: dict, cfg) -> str:
+    st, ref, iv = rows["settings"], rows["weights"]["float32"], rows["intervals"]
     lines = ["# Quality of each representation on the default model", "",
-             f"Model: models/default ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts). "
-             f"Perplexity on {num_windows} held-out windows of standard-library source; KL and top-1 against the "
-             f"float32 model on the same windows; tool calls on {n} held-out requests, greedy, {max_tokens} tokens "
-             "max, through the engine.", "",
-             "| weights | perplexity | vs float32 | KL (nats) | top-1 agreement |", "|---|---:|---:|---:|---:|"]
+             f"Model: models/default ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts, "
+             f"context {cfg.max_position_embeddings}). Tool calls: {st['num_requests']} held-out requests "
+             f"({st['tool_mix']} mix: {', '.join(st['kinds'])}), greedy, at most {st['max_tokens']} tokens, "
+             "through the engine. Next-token "
+             f"metrics: {st['num_windows']} held-out windows of standard-library source, the first half prefilled, the "
+             "second half teacher-forced through the decode step with the row's KV dtype (as served). Brackets: 95% "
+             "percentile-bootstrap CI over requests / windows; Δ: paired difference to float32 with its CI, "
+             "**bold** where that CI excludes 0 (significant).", "",
+             "| representation (prefill / decode / KV) | exact match | validity | argument accuracy | perplexity | "
+             "KL to float32 (nats) | top-1 agreement | greedy tokens = float32 |",
+             "|---|---|---|---|---|---|---|---:|"]
+    for name, row in rows["rows"].items():
+        cells = []
+        for m in ("exact_match", "validity", "argument_accuracy", "ppl", "kl", "top1"):
+            x = iv[name][m]
+            digits = 5 if m == "kl" else 3
+            delta = "" if name == "float32" else f"; Δ {x['diff']:+.{digits}f} {_ci(x['diff_ci'])}"
+            cell = f"{x['value']:.{digits}f} {_ci(x['ci'])}{delta}"
+            cells.append(f"**{cell}**" if x["significant"] else cell)
+        lines.append(f"| {name} ({row['prefill_weights']} / {row['decode_weights']} / {row['kv']}) | "
+                     + " | ".join(cells) + f" | {row['token_agreement_vs_f32']:.3f} |")
+    lines += ["", "Exact match by kind of request: " + "; ".join(
+        f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["exact_by_kind"].items())
+        for name, row in rows["rows"].items()), "",
+        "Weights alone (full forward over whole windows, against `LIMITS`):", "",
+        "| weights | perplexity | vs float32 | KL (nats) | top-1 agreement |", "|---|---:|---:|---:|---:|"]
     for name, r in rows["weights"].items():
         lines.append(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / ref['ppl'] - 1):+.2f}% | {r['kl']:.5f} | "
                      f"{r['top1']:.4f} |")
-    base = {(r["decode_weights"], r["kv"]): r for r in rows["serving"] if r["prefill_weights"] == r["decode_weights"]}
-    lines += ["", "| prefill weights | decode weights | KV | tool-call validity | exact match | "
-              "token agreement vs float32 |", "|---|---|---|---:|---:|---:|"]
-    for r in rows["serving"]:
-        lines.append(f"| {r['prefill_weights']} | {r['decode_weights']} | {r['kv']} | {r['validity']:.3f} | "
-                     f"{r['exact_match']:.3f} | {r['token_agreement_vs_f32']:.3f} |")
-    f32b = base.get(("float32", "bfloat16"))
-    goals = []
-    if f32b:
-        def d_ppl(name):
-            return 100 * (rows["weights"][name]["ppl"] / ref["ppl"] - 1)
-
-        def d_valid(w, kv):
-            return 100 * (base[(w, kv)]["validity"] - f32b["validity"])
-
-        goals = [
-            f"- FP8 KV (float32 weights): tool-call validity {d_valid('float32', 'float8_e4m3fn'):+.1f} points "
-            "(goal: within 1 point; FP8 KV does not enter the forward perplexity).",
-            f"- FP8 weights: perplexity {d_ppl('fp8'):+.2f}% (goal < 0.5%), validity "
-            f"{d_valid('fp8', 'bfloat16'):+.1f} points (goal within 1).",
-            f"- INT4 decode weights, GPTQ: perplexity {d_ppl('int4-gptq'):+.2f}% (goal within 3%), validity "
-            f"{d_valid('int4-gptq', 'bfloat16'):+.1f} points (goal within 2); RTN: {d_ppl('int4-rtn'):+.2f}%, "
-            f"{d_valid('int4-rtn', 'bfloat16'):+.1f} points.",
-        ]
     broken = [x for xs in rows.get("limits_broken", {}).values() for x in xs]
-    limits = ["", "Each representation against float32 within `LIMITS` (phaseserve/eval/quality.py): "
-              + ("every limit holds." if not broken else "; ".join(broken))] if "limits_broken" in rows else []
-    return "\n".join(lines + ["", "Against the goals (measured, not fitted):", *goals] + limits) + "\n"
+    lines += ["", "Each weight representation against float32 within `LIMITS` (phaseserve/eval/quality.py): "
+              + ("every limit holds." if not broken else "; ".join(broken)), "",
+              "Significant differences from float32: " + ("; ".join(_sig_rows(rows)) or "none") + "."]
+    return "\n".join(lines) + "\n"
 
 
-__all__ = ["KV", "LIMITS", "WEIGHTS", "check", "final_lines", "markdown", "render", "represented", "run",
-           "weight_metrics"]
+__all__ = ["KV", "LIMITS", "ROWS", "STATISTICS", "WEIGHTS", "check", "final_lines", "intervals", "markdown", "render",
+           "represented", "run", "served_metrics", "tool_requests", "weight_metrics"]

@@ -22,6 +22,7 @@ from phaseserve.eval import (
     heldout_perplexity,
     show_default_model,
 )
+from phaseserve.eval.quality import tool_requests
 
 PATH = default_model_path()
 TOK = ByteTokenizer()
@@ -73,6 +74,21 @@ def test_greedy_tool_calls_on_heldout_requests(generate):
     assert rep.has_call >= VALIDITY_MIN
     assert rep.validity >= VALIDITY_MIN
     assert rep.exact_match <= rep.validity
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue #18: the shipped model (3.84M, 1,200 steps, 256 positions) does not copy "
+                          "arguments (exact match 0.005 on 200 held-out requests); remove this mark when one that "
+                          "does ships")
+def test_shipped_model_copies_arguments_on_heldout_requests(model, generate):
+    """Issue #18's bar on a small held-out sample of every kind (multi-turn ones where the context holds them):
+    exact match >= 0.9 and a context of at least 1,024 positions."""
+    cfg, _ = model
+    reqs = tool_requests(cfg, 24, 160, "full", seed=5)
+    rep = evaluate_tool_calls(generate, reqs, max_tokens=160)
+    print(rep.as_dict(), rep.failures[:2])
+    assert rep.exact_match >= 0.9 and rep.validity >= 0.9
+    assert cfg.max_position_embeddings >= 1024 and rep.exact_by_kind.get("multi_turn", 0.0) >= 0.9
 
 
 def test_cached_reference_matches_full_recompute(model, generate):

@@ -13,15 +13,15 @@ from pallas_kernels.int4_matmul import Int4Weight
 from phaseserve.data.corpus import eval_windows
 from phaseserve.eval import quality
 from phaseserve.eval.demo import default_model_path
-from phaseserve.eval.quality import COMBOS, WEIGHTS, run
+from phaseserve.eval.quality import ROWS, WEIGHTS, run
 from phaseserve.quant import quantize as quantize_mod
 
 
 def test_quality_table_is_measured_and_written(tmp_path):
-    rows = run(default_model_path(), tmp_path, num_requests=2, max_tokens=12, num_windows=2, calib_sequences=2)
+    rows = run(default_model_path(), tmp_path, num_requests=3, max_tokens=12, num_windows=3, calib_sequences=2)
     saved = json.loads((tmp_path / "quality.json").read_text())
     assert saved == json.loads(json.dumps(rows))
-    assert set(rows["weights"]) == set(WEIGHTS) and len(rows["serving"]) == len(COMBOS)
+    assert set(rows["weights"]) == set(WEIGHTS) and set(rows["rows"]) == set(ROWS)
     ref = rows["weights"]["float32"]
     assert ref["kl"] < 1e-9 and ref["top1"] == 1.0 and 1.0 < ref["ppl"] < 10.0
     for name in WEIGHTS:  # every representation within its limits against float32
@@ -29,12 +29,50 @@ def test_quality_table_is_measured_and_written(tmp_path):
         assert rows["limits_broken"][name] == []
     for name in ("fp8", "int4-rtn", "int4-gptq"):
         assert rows["weights"][name]["kl"] > 1e-6, name  # a quantized model is really a different model
-    for r in rows["serving"]:
-        assert 0.0 <= r["validity"] <= 1.0 and 0.0 <= r["token_agreement_vs_f32"] <= 1.0
+    iv = rows["intervals"]
+    for name, row in rows["rows"].items():
+        assert len(row["samples"]["exact_match"]) == 3 and len(row["samples"]["nll"]) == 3
+        assert 0.0 <= row["token_agreement_vs_f32"] <= 1.0
+        for metric in quality.STATISTICS:
+            x = iv[name][metric]
+            assert x["ci"][0] <= x["value"] <= x["ci"][1], (name, metric, x)
+            assert x["diff_ci"][0] <= x["diff"] <= x["diff_ci"][1], (name, metric, x)
+    f32 = iv["float32"]
+    assert f32["kl"]["value"] < 1e-9 and f32["top1"]["value"] == 1.0 and not any(m["significant"] for m in f32.values())
+    assert iv["fp8-kv"]["kl"]["value"] > 1e-6 and iv["published"]["kl"]["value"] > 1e-6  # FP8 KV really stored
     lines = quality.final_lines(rows, tmp_path)
     assert lines[0].endswith("-> every limit holds") and lines[-1] == f"run directory: {tmp_path}"
+    assert lines[1].startswith("published combination") and "significant differences" in lines[2]
     table = (tmp_path / "README.md").read_text()
-    assert "| int4-gptq |" in table and "every limit holds" in table
+    assert "| published (fp8 / int4-gptq / float8_e4m3fn) |" in table and "every limit holds" in table
+
+
+def test_intervals_flag_only_real_differences():
+    """Paired bootstrap intervals: a row that differs on many requests is significant, an identical row is not,
+    and a single flipped request out of 60 is not."""
+    rng = np.random.default_rng()
+    n = 60
+    base = (rng.random(n) < 0.8).astype(float)
+    worse = base.copy()
+    worse[rng.choice(np.flatnonzero(base), 20, replace=False)] = 0.0
+    one = base.copy()
+    one[int(np.flatnonzero(base)[0])] = 0.0
+
+    def row(exact):
+        nll = rng.normal(1.3, 0.1, 8)
+        return {"samples": {"exact_match": list(exact), "validity": [1.0] * n, "arg_hits": list(exact * 2),
+                            "arg_total": [2] * n, "nll": list(nll), "kl": [0.0] * 8, "top1": [1.0] * 8}}
+
+    rows = {"float32": row(base), "same": row(base), "worse": row(worse), "one": row(one)}
+    rows["same"]["samples"]["nll"] = rows["float32"]["samples"]["nll"]
+    iv = quality.intervals(rows)
+    assert iv["worse"]["exact_match"]["significant"] and iv["worse"]["exact_match"]["diff"] == pytest.approx(-20 / n)
+    assert iv["worse"]["argument_accuracy"]["significant"]
+    assert not iv["same"]["exact_match"]["significant"] and not iv["same"]["ppl"]["significant"]
+    assert iv["same"]["exact_match"]["diff_ci"] == [0.0, 0.0]
+    assert not iv["one"]["exact_match"]["significant"]
+    lo, hi = iv["float32"]["exact_match"]["ci"]
+    assert lo < base.mean() < hi
 
 
 @pytest.fixture(scope="module")
