@@ -318,7 +318,7 @@ class ServeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     max_batch: int = 32  # concurrency cap (decode rows)
-    max_prefill_tokens: int = 2048  # tokens per prefill batch
+    max_prefill_tokens: int = 2048  # prompt tokens prefilled per engine step (chunked prefill budget)
     max_context: int | None = None  # prompt + output tokens; None: the model's context_length (within the budget)
     seed: int = 0
 

@@ -12,7 +12,14 @@ at the last token, every layer's KV returned as the engine's prefill does) and r
   causal attention's ``2 * H * (dk + dv)`` per visible (query, key) pair).
 
 Each point is time-boxed; a point that runs out of time keeps what it printed before (the temporaries) and says
-so. ``python experiments/long_context.py hydra.run.dir=benchmarks/long_context`` (or ``python -m
+so.
+
+The engine point (:func:`measure_engine`, ``--engine-only`` runs it alone and keeps the prefill points): a 32K-token
+prompt served end to end by the engine (prefilled in chunks over the prefill page pool, then 64 decode tokens) with
+its peak RSS; chunked vs unchunked greedy tokens at 4K (float32 equality, FP8 KV agreement); and the TTFT of a
+90%-shared prompt (prefix reuse skipping compute) against a miss.
+
+``python experiments/long_context.py hydra.run.dir=benchmarks/long_context`` (or ``python -m
 phaseserve.bench.long_context [--out DIR]``) prints the table and writes ``long_context.json`` and ``long_context.md``.
 """
 
@@ -36,6 +43,9 @@ POINTS = [("default", 1024, 300), ("default", 4096, 300), ("default", 16384, 600
           ("heads64", 4096, 300), ("heads64", 16384, 600), ("heads64", 32768, 900)]
 VARIANTS = {"default": {}, "heads64": {"num_attention_heads": 64, "num_key_value_heads": 64, "num_hidden_layers": 2}}
 LIMITS = {"ratio_64k_16k_max": 4.5, "flops_16k_vs_1k_min": 0.7}
+# the engine end-to-end point: a T-token prompt in chunks of `budget`, then new_tokens; the checks at check_T
+ENGINE = {"T": 32768, "new_tokens": 64, "budget": 2048, "check_T": 4096, "check_budget": 512, "rss_limit_gib": 8,
+          "box_s": 4200}
 
 
 def model_config(variant: str, max_context: int):
@@ -110,6 +120,126 @@ def measure_point(variant: str, t: int) -> None:
     print(json.dumps(row), flush=True)
 
 
+def _engine(cfg, params, budget: int, context: int, quant=None, max_batch: int = 1):
+    """A float32 engine (or ``quant``) for one long prompt at a time: 16-token pages, the pool sized to ``context``."""
+    import phaseserve as ps
+
+    quant = quant or ps.QuantConfig(prefill_weights="float32", decode_weights="float32", kv_dtype="float32",
+                                    prefill_kv_dtype="float32")
+    pages = max_batch * -(-context // 16) + 1
+    return ps.Engine(cfg, params, ps.ServeConfig(quant=quant, max_batch=max_batch, max_prefill_tokens=budget,
+                                                 max_context=context,
+                                                 cache=ps.CacheConfig(page_size=16, num_pages=pages)))
+
+
+def _generate(engine, prompts: list[list[int]], new: int, **kw) -> list:
+    from phaseserve.engine import Request
+
+    return engine.generate([Request(id=f"q{i}", prompt=p, max_tokens=new, ignore_eos=True, **kw)
+                            for i, p in enumerate(prompts)])
+
+
+def _first_token(engine, req):
+    """Submit ``req`` to a running engine and step until its first token: its output."""
+    out = engine.add_request(req)
+    while out.metrics.first_token is None and out.finish_reason is None:
+        engine.step()
+    return out
+
+
+def measure_engine(t: int) -> None:
+    """Child process: the engine end to end on the default architecture (random weights, context raised), one JSON
+    line per part -- chunked vs unchunked greedy tokens at :data:`ENGINE` ``check_T`` (float32, then FP8 KV
+    agreement), the TTFT of a 90%-shared prompt vs a miss, and last a ``t``-token prompt prefilled in chunks then
+    decoded (peak RSS of the process after it: the largest run comes last)."""
+    import jax
+
+    import phaseserve as ps
+    from phaseserve.engine import Request
+    from phaseserve.model.params import init_params
+
+    e, new = ENGINE, ENGINE["new_tokens"]
+    cfg = model_config("default", t + new)
+    params = init_params(cfg, jax.random.key(0), "float32")
+    rng = np.random.default_rng(0)
+    ct = e["check_T"]
+    prompt = rng.integers(0, cfg.vocab_size, ct).tolist()
+    runs = {}
+    for name, budget, quant in [("float32_unchunked", ct, None), ("float32_chunked", e["check_budget"], None),
+                                ("fp8_unchunked", ct, ps.QuantConfig(prefill_weights="float32",
+                                                                     decode_weights="float32")),
+                                ("fp8_chunked", e["check_budget"], ps.QuantConfig(prefill_weights="float32",
+                                                                                  decode_weights="float32"))]:
+        eng = _engine(cfg, params, budget, ct + new, quant)
+        runs[name] = (_generate(eng, [prompt], new)[0].tokens, eng.metrics.prefill_batches)
+    fp8 = [a == b for a, b in zip(runs["fp8_unchunked"][0], runs["fp8_chunked"][0], strict=True)]
+    print(json.dumps({"part": "chunked_vs_unchunked", "T": ct, "new_tokens": new, "chunk": e["check_budget"],
+                      "float32_equal": runs["float32_unchunked"][0] == runs["float32_chunked"][0],
+                      "prefill_steps": {k: v[1] for k, v in runs.items()},
+                      "fp8_agreement": float(np.mean(fp8)),
+                      "fp8_first_divergence": next((i for i, ok in enumerate(fp8) if not ok), None)}), flush=True)
+
+    # prefix reuse: TTFT of a prompt sharing 90% of its tokens with a cached one vs a miss (warm shapes first)
+    shared = int(0.9 * ct) // 16 * 16
+    eng = _engine(cfg, params, e["check_budget"], ct + new, max_batch=2)
+    ttft = {}
+    for tenant in ("warmup", "measured"):  # the warm-up compiles every shape the measured pair runs
+        base = rng.integers(0, cfg.vocab_size, ct).tolist()
+        hit = base[:shared] + rng.integers(0, cfg.vocab_size, ct - shared).tolist()
+        miss_out = _first_token(eng, Request(id=f"m-{tenant}", prompt=base, max_tokens=new, ignore_eos=True,
+                                             tenant=tenant))
+        hit_out = _first_token(eng, Request(id=f"h-{tenant}", prompt=hit, max_tokens=new, ignore_eos=True,
+                                            tenant=tenant))  # arrives while the miss still holds its pages
+        while eng.has_work:
+            eng.step()
+        ttft[tenant] = (miss_out.metrics.ttft, hit_out.metrics.ttft, hit_out.metrics.prefix_hit_tokens)
+    miss_s, hit_s, hit_tokens = ttft["measured"]
+    print(json.dumps({"part": "prefix_ttft", "T": ct, "shared_tokens": hit_tokens, "miss_ttft_s": miss_s,
+                      "hit_ttft_s": hit_s, "ratio": hit_s / miss_s}), flush=True)
+
+    # the long prompt, end to end
+    eng = _engine(cfg, params, e["budget"], t + new)
+    long_prompt = rng.integers(0, cfg.vocab_size, t).tolist()
+    t0 = time.perf_counter()
+    out = _generate(eng, [long_prompt], new)[0]
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"part": "e2e", "T": t, "new_tokens": new, "chunk": e["budget"], "finish": out.finish_reason,
+                      "generated": len(out.tokens), "seconds": seconds, "ttft_s": out.metrics.ttft,
+                      "prefill_steps": eng.metrics.prefill_batches, "decode_steps": eng.metrics.decode_steps,
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
+
+
+def run_engine_point(t: int, box_s: float) -> dict:
+    """:func:`measure_engine` in a fresh interpreter, killed after ``box_s`` seconds: its parts by name."""
+    rows, status, partial = _run_child(["--engine", str(t)], box_s)
+    out = {"status": status, **{r.pop("part"): r for r in rows}}
+    if partial is not None:
+        out["peak_rss_bytes_partial"] = partial
+    return out
+
+
+def engine_markdown(eng: dict) -> str:
+    """The engine section of long_context.md."""
+    lines = ["", "## The engine end to end (default architecture, random float32 weights, 16-token pages)", ""]
+    e2e, cmp, pre = eng.get("e2e"), eng.get("chunked_vs_unchunked"), eng.get("prefix_ttft")
+    if e2e:
+        lines.append(f"- {e2e['T']:,}-token prompt prefilled in {e2e['prefill_steps']} chunks of "
+                     f"{e2e['chunk']:,} tokens, then {e2e['generated']} decode tokens: peak RSS "
+                     f"{e2e['peak_rss_bytes'] / 2**30:.2f} GiB (limit {ENGINE['rss_limit_gib']} GiB), TTFT "
+                     f"{e2e['ttft_s']:.0f} s, {e2e['seconds']:.0f} s in all; finish {e2e['finish']}.")
+    if cmp:
+        lines.append(f"- Chunked ({cmp['chunk']}-token chunks) vs unchunked at {cmp['T']:,} tokens + "
+                     f"{cmp['new_tokens']} greedy tokens: float32 tokens equal: {cmp['float32_equal']}; FP8 KV "
+                     f"(BF16 prefill KV) agreement {cmp['fp8_agreement']:.2f} (first divergence at token "
+                     f"{cmp['fp8_first_divergence']}).")
+    if pre:
+        lines.append(f"- Prefix reuse at {pre['T']:,} tokens, {pre['shared_tokens']:,} shared: TTFT "
+                     f"{pre['hit_ttft_s']:.2f} s vs {pre['miss_ttft_s']:.2f} s for a miss = {pre['ratio']:.3f}x "
+                     f"(limit 0.25x).")
+    lines.append(f"- Status: {eng.get('status', 'not run')}.")
+    return "\n".join(lines) + "\n"
+
+
 def _peak_rss_so_far(pid: int) -> int | None:
     """VmHWM of a live process (Linux), bytes: the peak resident set up to now."""
     try:
@@ -121,10 +251,10 @@ def _peak_rss_so_far(pid: int) -> int | None:
     return None
 
 
-def run_point(variant: str, t: int, box_s: float) -> dict:
-    """Run one point in a fresh interpreter, killed after ``box_s`` seconds; the last JSON line it printed (a killed
-    point reports its peak RSS up to the kill as ``peak_rss_bytes_partial``)."""
-    cmd = [sys.executable, "-m", "phaseserve.bench.long_context", "--point", variant, str(t)]
+def _run_child(args: list[str], box_s: float) -> tuple[list[dict], str, int | None]:
+    """``python -m phaseserve.bench.long_context *args`` killed after ``box_s`` seconds: (the JSON lines it printed,
+    status, its peak RSS at the kill or None)."""
+    cmd = [sys.executable, "-m", "phaseserve.bench.long_context", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = None
     try:
@@ -135,7 +265,13 @@ def run_point(variant: str, t: int, box_s: float) -> dict:
         proc.kill()
         out, _ = proc.communicate()
         status = f"timed out after {box_s:.0f} s (run not finished)"
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")], status, partial
+
+
+def run_point(variant: str, t: int, box_s: float) -> dict:
+    """Run one point in a fresh interpreter, killed after ``box_s`` seconds; the last JSON line it printed (a killed
+    point reports its peak RSS up to the kill as ``peak_rss_bytes_partial``)."""
+    rows, status, partial = _run_child(["--point", variant, str(t)], box_s)
     row = rows[-1] if rows else {"variant": variant, "T": t}
     row["status"] = status
     if partial is not None:
@@ -222,6 +358,7 @@ class LongContextSpec:
 
     name: str = "long_context"
     points: list[str] = dataclasses.field(default_factory=lambda: [f"{v}:{t}:{b}" for v, t, b in POINTS])
+    engine: bool = True  # also the engine end-to-end point (ENGINE)
 
 
 def parse_point(text: str) -> tuple[str, int, float]:
@@ -232,16 +369,23 @@ def parse_point(text: str) -> tuple[str, int, float]:
     return variant, int(t), float(box)
 
 
-def run_and_write(points: list[tuple[str, int, float]], out: Path, log=print) -> dict:
-    """Measure ``points``, write long_context.json and long_context.md under ``out``, print the table."""
-    rows = run_points(points, log)
+def write(out: Path, rows: list[dict], engine: dict | None, log=print) -> dict:
+    """long_context.json and long_context.md under ``out`` (the table printed)."""
     summary = summarize(rows)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "long_context.json").write_text(json.dumps({"points": rows, "summary": summary}, indent=2) + "\n")
-    table = markdown(rows, summary)
+    data = {"points": rows, "summary": summary, **({"engine": engine} if engine else {})}
+    (out / "long_context.json").write_text(json.dumps(data, indent=2) + "\n")
+    table = markdown(rows, summary) + (engine_markdown(engine) if engine else "")
     (out / "long_context.md").write_text(table)
     log(table)
     return summary
+
+
+def run_and_write(points: list[tuple[str, int, float]], out: Path, log=print, engine: bool = True) -> dict:
+    """Measure ``points`` (and the engine point), write long_context.json and long_context.md under ``out``."""
+    rows = run_points(points, log)
+    eng = run_engine_point(ENGINE["T"], ENGINE["box_s"]) if engine else None
+    return write(out, rows, eng, log)
 
 
 def run(cfg, out_dir: str) -> dict:
@@ -249,7 +393,7 @@ def run(cfg, out_dir: str) -> dict:
     from phaseserve.bench.schema import experiment_spec
 
     spec = experiment_spec(cfg, LongContextSpec)
-    return run_and_write([parse_point(p) for p in spec.points], Path(out_dir))
+    return run_and_write([parse_point(p) for p in spec.points], Path(out_dir), engine=spec.engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,13 +402,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/long_context", help="directory for the JSON and markdown")
     ap.add_argument("--render", action="store_true", help="re-render long_context.md from the JSON in --out")
     ap.add_argument("--only", nargs="*", default=None, help="variant:T points to run (default: all)")
+    ap.add_argument("--engine", type=int, metavar="T", help="(internal) measure the engine point and exit")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="run only the engine point; keep the prefill points already in --out's JSON")
     args = ap.parse_args(argv)
     if args.point:
         measure_point(args.point[0], int(args.point[1]))
         return 0
-    if args.render:
-        data = json.loads((Path(args.out) / "long_context.json").read_text())
-        (Path(args.out) / "long_context.md").write_text(markdown(data["points"], summarize(data["points"])))
+    if args.engine:
+        measure_engine(args.engine)
+        return 0
+    path = Path(args.out) / "long_context.json"
+    if args.render or args.engine_only:
+        data = json.loads(path.read_text())
+        eng = run_engine_point(ENGINE["T"], ENGINE["box_s"]) if args.engine_only else data.get("engine")
+        write(Path(args.out), data["points"], eng)
         return 0
     run_and_write([p for p in POINTS if args.only is None or f"{p[0]}:{p[1]}" in args.only], Path(args.out))
     return 0

@@ -8,8 +8,16 @@ both phases.
 
 One :meth:`Engine.step`::
 
-    schedule (grow / preempt / admit)  ->  prefill admitted  ->  handoff KV into their pages
-        ->  integrity check (separate jitted launch)  ->  decode step for the running batch  ->  host bookkeeping
+    schedule (grow / preempt / admit)  ->  plan prefill chunks (``max_prefill_tokens`` per step, shared by the
+        prompts in progress)  ->  prefix hits starting: cached pages into the prefill pool  ->  prefill chunks
+        ->  prompts whose last chunk ran: their pages handed to decode (whole pages, decode storage dtype)
+        ->  integrity check (separate jitted launch)  ->  decode step for the prefilled requests  ->  bookkeeping
+
+Where a prompt's KV lives while it is prefilled: in the prefill mesh's own page pool, in the prefill KV dtype
+(``QuantConfig.prefill_kv_dtype``, BF16 in the design), each chunk attending over what the earlier chunks wrote.
+Only when its last chunk is done do its pages cross to the decode mesh, quantized there to the decode storage dtype
+(FP8), and the prefill pages are freed. A prefix hit copies the cached pages (decode pool, dequantized) into the
+request's first prefill pages and computes only the suffix.
 
 A bad request ends alone with ``finish_reason="error"`` and a typed error, before anything is allocated; a
 request whose pages fail the integrity check ends ``"aborted"`` with a ``KVIntegrityError`` while every other
@@ -22,9 +30,10 @@ narrowed to single requests; if a device call lost the page pool (a donated buff
 in it ends with the error and the pool is rebuilt empty.
 
 Preemption (``CacheConfig.admission="on_demand"``): ``CacheConfig.preemption="recompute"`` re-prefills a victim's
-prompt and generated tokens at readmission (with FP8 KV the generated tokens' KV is then rebuilt with prefill
-attention, so outputs can depend on load); ``"swap"`` copies the victim's pages (values and scales, exactly) to
-host memory and writes them back into fresh pages at readmission, so outputs do not depend on load.
+prompt and generated tokens at readmission, in chunks like any prompt (with FP8 KV the generated tokens' KV is
+then rebuilt with prefill attention, so outputs can depend on load); ``"swap"`` copies the victim's pages (values
+and scales, exactly) to host memory and writes them back into fresh pages at readmission, so outputs do not depend
+on load.
 """
 
 from __future__ import annotations
@@ -35,15 +44,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics, oversized_pool
 from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
-from phaseserve.engine.scheduler import Scheduler, Sequence
-from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, stop_reason
+from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
+from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, prefill_pages, stop_reason
 from phaseserve.model.params import Params
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
@@ -77,15 +85,18 @@ class Engine:
                                  c.page_size * kv_bytes_per_token(cfg, self.kv_dtype))
         if too_big:
             warnings.warn(too_big, stacklevel=2)
-        self.prefill = PrefillWorker(cfg, prefill_params, kv_dtype=self.kv_dtype, prefill_kv_dtype=q.prefill_kv_dtype,
-                                     max_prefill_tokens=serve.max_prefill_tokens)
         self.decode = DecodeWorker(cfg, decode_params, self.decode_mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,
                                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
                                    integrity=c.integrity, attn_impl=attn_impl)
         self.num_pages = num_pages
-        self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
-        self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption)
         self.limits = Limits.of(cfg, serve, num_pages)
+        self.prefill = PrefillWorker(cfg, prefill_params, self.prefill_mesh, kv_dtype=self.kv_dtype,
+                                     prefill_kv_dtype=q.prefill_kv_dtype, max_prefill_tokens=serve.max_prefill_tokens,
+                                     page_size=c.page_size, max_pages_per_seq=self.limits.max_pages,
+                                     num_pages=prefill_pages(self.limits, serve.max_prefill_tokens))
+        self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
+        self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption,
+                                   prefill_tables=self.prefill.tables)
         self.max_context = self.limits.max_context
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
@@ -199,10 +210,18 @@ class Engine:
         if swapped:
             self._swap(swapped, out=True)
         if res.admitted:
-            self._run_prefill([s for s in res.admitted if s.swap is None], events)
             self._swap([s for s in res.admitted if s.swap is not None and s in self.scheduler.running], out=False)
-        if self.scheduler.running:
-            self._run_decode(events)
+        try:
+            chunks = self.scheduler.plan_chunks(self.serve.max_prefill_tokens)
+        except Exception as e:  # not narrowed to one request: end the prompts in progress
+            self._fail([s for s in self.scheduler.running if s.prefilling], e)
+            chunks = []
+        if chunks:
+            self._load_prefixes([c.seq for c in chunks if c.first and c.seq.shared_pages])
+            self._run_prefill(chunks, events)
+        rows = [s for s in self.scheduler.running if not s.prefilling]
+        if rows:
+            self._run_decode(rows, events)
         self.metrics.observe(len(self.scheduler.running), self.allocator.num_used)
         return events
 
@@ -213,39 +232,78 @@ class Engine:
             self.decode.reset_pool()
             self.scheduler.prefix.clear()
             return False
+        if not self.prefill.pool_ok():  # the prefill pool was consumed: every prompt in progress lost its KV
+            self._fail([s for s in self.scheduler.running if s.prefilling] + seqs, err)
+            self.prefill.reset_pool()
+            return False
         if len(seqs) == 1:
             self._fail(seqs, err)
             return False
         return True
 
-    def _run_prefill(self, admitted: list[Sequence], events: list) -> None:
+    def _load_prefixes(self, seqs: list[Sequence]) -> None:
+        """Prefix hits: the cached pages' KV (decode pool) into each request's first prefill pages, so its suffix
+        chunks attend over it. A request whose copy raises fails alone."""
+        for s in seqs:
+            try:
+                n = s.shared_pages
+                payload = self.decode.export(self.tables.owned(s.id)[:n], self.prefill.pool_dtype)
+                payload = jax.device_put(payload, self.prefill.sharding)
+                self.prefill.land(self.prefill.tables.owned(s.id)[:n], payload)
+            except Exception as e:
+                self._device_failure([s], e)  # ends s (and everything, if a pool was lost)
+
+    def _run_prefill(self, chunks: list[Chunk], events: list) -> None:
         t0 = time.perf_counter()
-        for group in self.prefill.groups(admitted):
+        for group in self.prefill.groups(chunks):
             self._prefill_group(group, events)
         self.metrics.prefill_time += time.perf_counter() - t0
 
-    def _prefill_group(self, group: list[Sequence], events: list) -> None:
-        group = [s for s in group if self._seqs.get(s.id) is s]  # a narrowed retry may have ended some
+    def _prefill_group(self, group: list[Chunk], events: list) -> None:
+        group = [c for c in group if self._seqs.get(c.id) is c.seq]  # a narrowed retry may have ended some
         if not group:
             return
         try:
-            first, kvq, lengths = self.prefill.run(group)
-            kvq = self.handoff.transfer(kvq, replicated(self.decode_mesh))
-            start = np.zeros(len(lengths), np.int32)
-            start[: len(group)] = [s.shared_pages * self.serve.cache.page_size for s in group]
-            self.decode.land([s.id for s in group], kvq, lengths, start)
+            first = self.prefill.run(group)
         except Exception as e:
-            if self._device_failure(group, e):
+            if self._device_failure([c.seq for c in group], e):
                 half = len(group) // 2
                 self._prefill_group(group[:half], events)
                 self._prefill_group(group[half:], events)
             return
         self.metrics.prefill_batches += 1
-        self.metrics.prefill_tokens += int(lengths.sum())
-        for i, s in enumerate(group):
+        self.metrics.prefill_tokens += sum(c.n for c in group)
+        done = []
+        for c, tok in zip(group, first, strict=True):
+            c.seq.computed += c.n
+            if c.ends_prompt:
+                done.append((c.seq, int(tok)))
+        if done:
+            self._hand_off(done, events)
+
+    def _hand_off(self, done: list[tuple[Sequence, int]], events: list) -> None:
+        """The finished prompts' pages (past any shared prefix) to decode, in one payload of whole pages; then their
+        prefill pages are freed, their prompt pages registered for prefix hits and their first tokens emitted. If the
+        handoff raises, it is retried per request."""
+        seqs = [s for s, _ in done]
+        try:
+            src = [p for s in seqs for p in self.prefill.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
+            dst = [p for s in seqs for p in self.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
+            payload = self.handoff.transfer(self.prefill.export(src), replicated(self.decode_mesh))
+            self.decode.land(dst, payload)
+        except Exception as e:
+            if self._device_failure(seqs, e) and len(done) > 1:
+                for d in done:
+                    self._hand_off([d], events)
+            return
+        for s, tok in done:
+            self.scheduler.prefilled(s)
             self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
-                self._emit(s, int(first[i]), events)
+                self._emit(s, tok, events)
+
+    def _prompt_pages(self, seq: Sequence) -> int:
+        return -(-seq.num_prompt // self.serve.cache.page_size)
 
     def _swap(self, seqs: list[Sequence], out: bool) -> None:
         """preemption="swap": copy preempted requests' pages to host (``out``), or back into the fresh pages of
@@ -266,9 +324,9 @@ class Engine:
         self.swap_stats["bytes"] += sum(self.decode.swap_nbytes(s.swap) for s in seqs if s.swap is not None)
         self.swap_stats["seconds"] += time.perf_counter() - t0
 
-    def _run_decode(self, events: list) -> None:
+    def _run_decode(self, rows: list[Sequence], events: list) -> None:
         t0 = time.perf_counter()
-        device_s = self._decode_rows(list(self.scheduler.running), events)
+        device_s = self._decode_rows(rows, events)
         self.metrics.decode_steps += 1
         self.metrics.decode_time += device_s
         self.metrics.host_time += time.perf_counter() - t0 - device_s
@@ -345,11 +403,16 @@ class Engine:
         """Start a new measurement run: clear the run counters and the finished outputs (nothing in flight)."""
         self.metrics = RunMetrics()
         self.outputs = {k: v for k, v in self.outputs.items() if k in self._seqs}
-        self.scheduler.lookup_pages = self.scheduler.hit_pages = 0
+        self.scheduler.lookup_pages = self.scheduler.hit_pages = self.scheduler.deferrals = 0
 
     def summary(self) -> dict:
-        return self.metrics.summary(list(self.outputs.values()), self.scheduler.lookup_pages,
-                                    self.scheduler.hit_pages)
+        """Run metrics (``engine.metrics``), plus prefix reuse: ``prefix_hit_rate`` (full prompt pages found cached /
+        looked up), ``prefill_tokens_saved`` (prompt tokens not computed thanks to a hit) and ``prefix_deferrals``
+        (admissions put off to wait for a shared prefix being computed)."""
+        out = self.metrics.summary(list(self.outputs.values()), self.scheduler.lookup_pages, self.scheduler.hit_pages)
+        out["prefill_tokens_saved"] = self.scheduler.hit_pages * self.serve.cache.page_size
+        out["prefix_deferrals"] = self.scheduler.deferrals
+        return out
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

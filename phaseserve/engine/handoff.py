@@ -1,10 +1,21 @@
-"""Prefill -> decode KV handoff.
+"""Prefill -> decode KV handoff, in whole pages.
 
-The prefill step hands over each prompt's KV already quantized to the decode cache's storage dtype
-(``prefill.quantize_layer_kv``). A :class:`Handoff` moves it to the decode devices; the decode side then
-scatters it, without re-quantizing, into the pages the decode allocator gave the request (positions below a
-shared prefix are skipped: those pages already hold the same KV). One interface, so a transfer between
-processes (``jax.experimental.transfer``) can replace the in-process ``device_put`` without touching the rest.
+When a prompt's last chunk is done, its KV sits in the prefill pool's pages (prefill KV dtype, BF16 in the design).
+:func:`export_pages` reads those pages on the prefill mesh and quantizes them to the decode cache's storage dtype
+(FP8 with per-token scales, as the decode pool stores them); only the pages the request computed cross (pages of a
+shared prefix are already in the decode pool), and nothing but whole pages crosses -- no padded ``[B, T]`` arrays::
+
+    payload, per layer: [(values [1, n * page_size, ...], scale [1, n * page_size, ...] | None), ...]
+                        (pages concatenated, several requests' pages in one payload)
+
+A :class:`Handoff` moves the payload to the decode devices; :func:`import_pages` writes it, without re-quantizing,
+into the destination pages (page ids of 0 -- padding -- write nothing). The same two functions run the other way
+for a prefix hit (decode pool pages -> the request's first prefill pages, dequantized to the prefill KV dtype), and
+the multi-process servers ship the same payload over ``jax.experimental.transfer`` (``phaseserve.serving``).
+
+:func:`page_bucket` / :func:`trim` / :func:`pad` keep the jitted shapes to a handful while the bytes that cross are
+exactly the pages: export runs at a bucketed page count and the payload is trimmed to the real pages before the
+transfer, then padded back on the receiving side.
 """
 
 from __future__ import annotations
@@ -14,7 +25,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from phaseserve.cache.paged import PagePool, write_prequantized
+from phaseserve.cache.paged import PagePool, gather_layer, write_prequantized
+from phaseserve.engine.prefill import quantize_layer_kv
 
 
 class Handoff(Protocol):
@@ -34,18 +46,37 @@ class InProcessHandoff:
         return jax.device_put(kvq, dst)
 
 
-def scatter_prompts(pool: PagePool, kvq: list, page_table: jax.Array, lengths: jax.Array,
-                    start: jax.Array) -> PagePool:
-    """Write pre-quantized prompt KV into the pages (decode side, jitted with the pool donated).
+def export_pages(pool: PagePool, pages: jax.Array, dtype: Any) -> list:
+    """The KV of ``pages`` i32[n] (every layer), quantized to ``dtype``: the payload of the module docstring with
+    ``n * page_size`` tokens. Page 0 (padding) reads the null page's zeros."""
+    pt = pages[None]
+    return [quantize_layer_kv(gather_layer(layer, pt, jnp.float32), dtype, jnp.float32) for layer in pool.layers]
 
-    kvq: per layer [(values [B, T, ...], scale [B, T, ...] | None)]; page_table i32[B, P]; lengths i32[B];
-    start i32[B] (first position to write: past the shared prefix).
-    """
-    b, t = page_table.shape[0], jax.tree.leaves(kvq[0])[0].shape[1]
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = (pos < lengths[:, None]) & (pos >= start[:, None])
-    return pool.replace(layers=tuple(write_prequantized(layer, parts, page_table, pos, valid)
-                                     for layer, parts in zip(pool.layers, kvq, strict=True)))
+
+def import_pages(pool: PagePool, payload: list, pages: jax.Array) -> PagePool:
+    """Write a payload of ``n * page_size`` tokens (already in the pool's storage dtype) into ``pages`` i32[n]
+    (ids outside ``[1, N)`` write nothing). Jitted with the pool donated."""
+    n_tok = pages.shape[0] * pool.page_size
+    pos = jnp.arange(n_tok, dtype=jnp.int32)[None]
+    valid = jnp.ones((1, n_tok), bool)
+    return pool.replace(layers=tuple(write_prequantized(layer, parts, pages[None], pos, valid)
+                                     for layer, parts in zip(pool.layers, payload, strict=True)))
+
+
+def page_bucket(n: int) -> int:
+    """Padded page count for the jitted export/import: a power of two up to 16, then a multiple of 16."""
+    return 1 << max(n - 1, 0).bit_length() if n <= 16 else -(-n // 16) * 16
+
+
+def trim(payload: list, num_tokens: int) -> list:
+    """The payload's first ``num_tokens`` tokens (the real pages; the rest is bucket padding)."""
+    return jax.tree.map(lambda x: x[:, :num_tokens], payload)
+
+
+def pad(payload: list, num_tokens: int) -> list:
+    """The payload padded with zeros to ``num_tokens`` tokens (to a bucketed shape on the receiving side)."""
+    return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, num_tokens - x.shape[1])] + [(0, 0)] * (x.ndim - 2)),
+                        payload)
 
 
 def kv_nbytes(kvq: Any) -> int:

@@ -1,11 +1,20 @@
-"""The prefill worker's step: a batched causal pass over right-padded prompts on the prefill mesh.
+"""The prefill worker's step: one *chunk* of each of a batch of prompts, over the prefill mesh's own page pool.
 
-It runs the prefill weight representation, takes the logits only at each row's last prompt token, samples
-the first output token, and quantizes the prompt's KV (computed in the activation dtype, BF16 in the design)
-into the decode cache's storage dtype *before* it leaves the prefill mesh, so FP8 KV crosses the wire::
+A long prompt is prefilled in chunks (``ServeConfig.max_prefill_tokens`` is the per-step token budget the scheduler
+shares among the prompts in progress). A chunk step runs the prefill weight representation over each row's next
+chunk of tokens at their absolute positions; every layer writes the chunk's KV into the request's pages of the
+**prefill pool** (held in the prefill KV dtype, ``QuantConfig.prefill_kv_dtype``: BF16 in the design) and attends,
+with the memory-linear flash prefill, over every key the request has written so far plus the chunk's own::
 
-    step(params, batch) -> (first_tokens i32[B], kvq)
-    kvq: per layer, a list of (values, scale | None) pairs -- GQA [(k, k_scale), (v, v_scale)], MLA [(latent, scale)]
+    row b:  pages of the prefill pool  [ p0 | p1 | p2 | ... ]   keys 0 .. start_b - 1 already written
+            chunk tokens at positions   start_b .. start_b + n_b - 1   (written, then attended over with the rest)
+
+    step(params, pool, batch) -> (sampled token i32[B] at each row's last chunk token, pool')
+
+A row whose chunk ends its prompt samples its first output token here. The unchunked prefill is the one-chunk case
+of the same step; prefix hits start at ``start_b > 0`` with the cached prefix copied into the row's first pages.
+The finished prompt's pages leave the prefill mesh through :mod:`phaseserve.engine.handoff` (quantized there to the
+decode cache's storage dtype, e.g. FP8).
 """
 
 from __future__ import annotations
@@ -13,10 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
-from phaseserve.cache.paged import quantize_kv
+from phaseserve.cache.paged import PagePool, gather_layer, quantize_kv, write_layer
 from phaseserve.config import ModelConfig
 from phaseserve.engine.sampling import sample
 from phaseserve.model.params import Params
@@ -24,9 +32,15 @@ from phaseserve.model.transformer import prefill
 
 
 @struct.dataclass
-class PrefillBatch:
-    tokens: jax.Array  # i32[B, T] right-padded
-    lengths: jax.Array  # i32[B] valid tokens (0 for padding rows)
+class ChunkBatch:
+    """B rows, each one chunk of one prompt (padding rows: ``lengths == 0``, nothing valid)."""
+
+    tokens: jax.Array  # i32[B, C] the chunk's tokens, right-padded
+    positions: jax.Array  # i32[B, C] their absolute positions (start_b + j)
+    valid: jax.Array  # bool[B, C] real chunk tokens
+    lengths: jax.Array  # i32[B] keys the chunk sees: start_b + n_b
+    last: jax.Array  # i32[B] index in the chunk of the row's last token (n_b - 1)
+    page_table: jax.Array  # i32[B, P] the rows' prefill-pool pages (P * page_size >= start_b + n_b)
     temperature: jax.Array  # f32[B]
     top_k: jax.Array  # i32[B]
     top_p: jax.Array  # f32[B]
@@ -34,17 +48,31 @@ class PrefillBatch:
     steps: jax.Array  # i32[B] index of the sampled token in the request's output
 
 
+class PoolContext:
+    """The ``transformer.prefill`` context of one chunk step: layer ``i``'s chunk KV is written into the rows'
+    prefill pages, and every key of the rows' pages comes back densely (``[B, P * page_size, ...]``, dequantized to
+    ``dtype``), key s at position s. Generic over the layer's KV parts (the pool's per-layer pytree)."""
+
+    def __init__(self, pool: PagePool, batch: ChunkBatch, dtype: Any):
+        self.layers = list(pool.layers)
+        self.batch, self.dtype = batch, dtype
+
+    def __call__(self, i: int, kv: Any) -> Any:
+        b = self.batch
+        self.layers[i] = write_layer(self.layers[i], kv, b.page_table, b.positions, b.valid)
+        return gather_layer(self.layers[i], b.page_table, self.dtype)
+
+
+def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBatch) -> tuple[jax.Array, PagePool]:
+    """One chunk per row (see the module docstring): (sampled i32[B], the prefill pool with the chunks written)."""
+    ctx = PoolContext(pool, batch, params.embed.dtype)
+    logits, _ = prefill(params, cfg, batch.tokens, batch.lengths, batch.positions, logits_at=batch.last, context=ctx)
+    first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
+    return first, pool.replace(layers=tuple(ctx.layers))
+
+
 def quantize_layer_kv(kv: Any, kv_dtype, compute_dtype) -> list[tuple[jax.Array, jax.Array | None]]:
-    """One layer's prefill KV, rounded to the prefill KV dtype, -> [(values, scale)] in the decode storage dtype."""
+    """One layer's KV (as the model returns it), rounded to ``compute_dtype`` -> [(values, scale | None)] in
+    ``kv_dtype`` (per-token scales for FP8)."""
     parts = list(kv) if isinstance(kv, tuple) else [kv]
     return [quantize_kv(x.astype(compute_dtype), kv_dtype) for x in parts]
-
-
-def prefill_step(params: Params, cfg: ModelConfig, batch: PrefillBatch, *, kv_dtype,
-                 prefill_kv_dtype) -> tuple[jax.Array, list]:
-    """kv_dtype: the decode cache's storage dtype; prefill_kv_dtype: the dtype the prompt's KV is computed in
-    (``QuantConfig.prefill_kv_dtype``, BF16 in the design) before it is quantized for the handoff."""
-    last = jnp.maximum(batch.lengths - 1, 0)
-    logits, kvs = prefill(params, cfg, batch.tokens, batch.lengths, logits_at=last)
-    first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-    return first, [quantize_layer_kv(kv, kv_dtype, prefill_kv_dtype) for kv in kvs]

@@ -17,10 +17,22 @@ Admission is by free KV pages under one of two policies:
   or, with ``preemption="swap"``, it records the pages it held (``Sequence.swap``) so the engine copies their KV
   to host memory before anything overwrites them and writes it back into fresh pages at readmission (no prefill).
 
-A concurrency cap (``max_batch``) bounds the running batch (the decode step's rows).
+A concurrency cap (``max_batch``) bounds the running batch (the decode step's rows, and the prompts in progress).
+
+Chunked prefill: an admitted request is *prefilling* until the KV of all ``num_prompt`` tokens exists
+(``Sequence.computed``). Each step :meth:`Scheduler.plan_chunks` shares a token budget (``max_prefill_tokens``) among
+the prefilling requests, oldest first: one :class:`Chunk` (``start = computed``, ``n`` tokens) each while the budget
+lasts, so a long prompt advances a chunk per step beside other prompts' chunks and the running decode batch.
+With ``prefill_tables`` (the prefill pool's page tables), a request holds the prefill pages of its whole prompt from
+its first chunk until its pages are handed to decode (:meth:`Scheduler.prefilled`); a preempted or finished request
+gives them back. Preemption by recompute re-enters the same path (its prompt is then prompt + generated tokens).
 
 Prefix reuse: full prompt pages are keyed by a hash chain ``h_i = H(h_{i-1}, tokens of page i)`` seeded with the
-request's tenant salt, so equal prefixes of one tenant map to the same pages and a different tenant never hits.
+request's tenant salt, so equal prefixes of one tenant map to the same pages and a different tenant never hits. A
+hit skips compute: the request starts prefilling at ``computed = hits * page_size`` (at least one prompt token is
+always computed: it gives the first output token). A waiting request whose next page is being computed right now by
+a prefilling request (same hash) is *deferred* -- left in the queue, later ones may pass it -- until that page is
+registered, so requests submitted together that share a prefix compute it once.
 An entry records ``(page, tag)`` and is only honoured while the allocator still gives that page that tag with a
 live reference: a freed or reissued page can never be handed out as a prefix hit. The index is a registered tag
 holder of the allocator, so at tag wraparound its tags are retired with the live requests' ones and a stale entry
@@ -50,6 +62,8 @@ class Sequence:
     tokens: list[int]  # prompt + generated so far
     num_prompt: int  # tokens prefilled at the last admission (prompt, plus generated ones after a preemption)
     shared_pages: int = 0  # leading pages taken from the prefix cache at admission
+    computed: int = 0  # prompt tokens (of num_prompt) whose KV exists: prefilling while computed < num_prompt
+    hashes: tuple[int, list[bytes]] | None = None  # (num_prompt, its full pages' hash chain), computed once
     admitted_order: int = 0
     swap: Any = None  # preemption="swap": the pages held at preemption, then their KV on the host, until swapped in
 
@@ -60,6 +74,10 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.request.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.num_prompt
 
     @property
     def next_position(self) -> int:
@@ -77,6 +95,27 @@ def page_hashes(tokens: list[int], page_size: int, salt: str, num_pages: int) ->
     return out
 
 
+@dataclass(eq=False)
+class Chunk:
+    """The next ``n`` prompt tokens of ``seq`` to prefill, from position ``start``."""
+
+    seq: Sequence
+    start: int
+    n: int
+    first: bool = False  # the prompt's first chunk (a prefix hit's pages are to be loaded before it runs)
+
+    @property
+    def id(self) -> str:
+        return self.seq.id
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.start + self.n == self.seq.num_prompt
+
+
+ADMITTED, SHORT, DEFERRED = "admitted", "short", "deferred"
+
+
 @dataclass
 class ScheduleResult:
     admitted: list[Sequence] = field(default_factory=list)
@@ -86,13 +125,15 @@ class ScheduleResult:
 
 class Scheduler:
     def __init__(self, tables: PageTables, page_size: int, max_batch: int, policy: str = "reserve",
-                 prefix_caching: bool = True, preemption: str = "recompute"):
+                 prefix_caching: bool = True, preemption: str = "recompute",
+                 prefill_tables: PageTables | None = None):
         if policy not in ("reserve", "on_demand"):
             raise ValueError(f"admission policy must be 'reserve' or 'on_demand', got {policy!r}")
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
         self.preemption = preemption
         self.tables = tables
+        self.prefill_tables = prefill_tables  # the prefill pool's tables (None: not accounted here)
         self.page_size = page_size
         self.max_batch = max_batch
         self.policy = policy
@@ -102,6 +143,7 @@ class Scheduler:
         self.prefix: dict[bytes, tuple[int, int]] = {}  # hash -> (page, tag)
         self.lookup_pages = 0
         self.hit_pages = 0
+        self.deferrals = 0  # admissions put off to wait for a prefix page being computed
         self._order = 0
         tables.allocator.register_tag_holder(lambda: [t for _, t in self.prefix.values()])
 
@@ -119,66 +161,118 @@ class Scheduler:
         """Positions 0 .. prompt + max_tokens - 2 are written (the last sampled token is never fed back)."""
         return pages_ever(len(req.prompt), req.max_tokens, self.page_size)
 
-    def _lookup_prefix(self, seq: Sequence) -> list[int]:
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        """The hash chain of ``seq``'s full prompt pages (cached while ``num_prompt`` is unchanged)."""
+        if seq.hashes is None or seq.hashes[0] != seq.num_prompt:
+            full = seq.num_prompt // self.page_size
+            seq.hashes = (seq.num_prompt, page_hashes(seq.tokens, self.page_size, seq.request.tenant, full))
+        return seq.hashes[1]
+
+    def _lookup_prefix(self, seq: Sequence) -> tuple[list[int], bool]:
+        """(pages of ``seq``'s prompt found in the prefix cache, whether the next page is being computed now)."""
         if not self.prefix_caching or seq.swap is not None:  # a swapped-out request brings its own KV back
-            return []
-        full = seq.num_prompt // self.page_size  # only full pages: decode writes start past them
+            return [], False
+        cap = (seq.num_prompt - 1) // self.page_size  # full pages only, and one prompt token is always computed
+        hashes = self._hashes(seq)[:cap]
         hits = []
         alloc = self.tables.allocator
-        for h in page_hashes(seq.tokens, self.page_size, seq.request.tenant, full):
+        for h in hashes:
             entry = self.prefix.get(h)
             if entry is None or alloc.tags[entry[0]] != entry[1] or alloc.refcount[entry[0]] == 0:
                 break
             hits.append(entry[0])
-        self.lookup_pages += full
-        self.hit_pages += len(hits)
-        return hits
+        pending = len(hits) < len(hashes) and any(
+            hashes[len(hits)] in self._hashes(s)[s.shared_pages:] for s in self.running if s.prefilling)
+        return hits, pending
 
     def register_prefix(self, seq: Sequence) -> None:
         """Record ``seq``'s full prompt pages (after their KV has been written) for later hits."""
         if not self.prefix_caching:
             return
-        full = seq.num_prompt // self.page_size
         owned = self.tables.owned(seq.id)
         alloc = self.tables.allocator
-        for i, h in enumerate(page_hashes(seq.tokens, self.page_size, seq.request.tenant, full)):
+        for i, h in enumerate(self._hashes(seq)):
             if h not in self.prefix or alloc.tags[self.prefix[h][0]] != self.prefix[h][1]:
                 self.prefix[h] = (owned[i], int(alloc.tags[owned[i]]))
         if len(self.prefix) > 2 * alloc.num_pages:  # drop entries whose page was freed or reissued since
             self.prefix = {h: (p, t) for h, (p, t) in self.prefix.items() if alloc.tags[p] == t}
 
+    def prefilled(self, seq: Sequence) -> None:
+        """``seq``'s prompt KV is in its decode pages now: give back its prefill pages."""
+        seq.computed = seq.num_prompt
+        if self.prefill_tables is not None and seq.id in self.prefill_tables:
+            self.prefill_tables.release(seq.id)
+
+    def plan_chunks(self, budget: int) -> list[Chunk]:
+        """This step's prefill work: the prefilling requests' next chunks, oldest first, ``budget`` tokens in all. A
+        prompt's first chunk also gives it the prefill pages of its whole prompt; while the prefill pool is short,
+        it and every later prompt wait (FCFS) for the prompts in progress to be handed off."""
+        chunks = []
+        for seq in sorted(self.running, key=lambda s: s.admitted_order):
+            if budget <= 0:
+                break
+            if not seq.prefilling:
+                continue
+            pre = self.prefill_tables
+            if pre is not None and seq.id not in pre:
+                need = self._pages_for(seq.num_prompt)
+                if pre.allocator.num_free < need:
+                    break
+                pre.add(seq.id)
+                if pre.allocate(seq.id, need) is None:  # cannot happen after the check
+                    raise RuntimeError(f"prefill pages for {seq.id!r} vanished between the check and the allocation")
+            n = min(seq.num_prompt - seq.computed, budget)
+            chunks.append(Chunk(seq, seq.computed, n, first=seq.computed == seq.shared_pages * self.page_size))
+            budget -= n
+        return chunks
+
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def _try_admit(self, seq: Sequence) -> bool:
-        hits = self._lookup_prefix(seq)
+    def _try_admit(self, seq: Sequence) -> str:
+        hits, pending = self._lookup_prefix(seq)
+        if pending:
+            return DEFERRED
         need = self.pages_needed(seq) - len(hits)
+        fresh = seq.swap is None
         if self.tables.allocator.num_free < need:
-            return False
+            return SHORT
         self.tables.add(seq.id)
         try:
             if hits:
                 self.tables.share(seq.id, hits)
             if need > 0 and self.tables.allocate(seq.id, need) is None:  # cannot happen after the check; be safe
-                self.tables.release(seq.id)
-                return False
+                raise RuntimeError(f"decode pages for {seq.id!r} vanished between the check and the allocation")
         except Exception:
-            self.tables.release(seq.id)
+            self._release(seq)
             raise
+        if self.prefix_caching and fresh:
+            self.lookup_pages += (seq.num_prompt - 1) // self.page_size
+            self.hit_pages += len(hits)
         seq.shared_pages = len(hits)
+        seq.computed = len(hits) * self.page_size if fresh else seq.num_prompt
         seq.output.metrics.prefix_hit_tokens = len(hits) * self.page_size
-        return True
+        return ADMITTED
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back every page ``seq`` holds, decode and prefill."""
+        if seq.id in self.tables:
+            self.tables.release(seq.id)
+        if self.prefill_tables is not None and seq.id in self.prefill_tables:
+            self.prefill_tables.release(seq.id)
 
     def _preempt_one(self, result: ScheduleResult) -> bool:
         if not self.running:
             return False
         victim = max(self.running, key=lambda s: s.admitted_order)
         self.running.remove(victim)
-        if self.preemption == "swap":  # its KV is still in these pages until the next device write
+        if self.preemption == "swap" and not victim.prefilling:  # its KV is in these pages until the next write
             victim.swap = self.tables.owned(victim.id)
-        self.tables.release(victim.id)
-        victim.num_prompt = len(victim.tokens) - 1  # recompute: prefill all but the pending input token
+        self._release(victim)
+        # recompute: prefill all but the pending input token (a prompt still prefilling: the prompt again)
+        victim.num_prompt = len(victim.tokens) - (1 if victim.num_generated else 0)
+        victim.computed = 0
         victim.output.metrics.preemptions += 1
         self.waiting.appendleft(victim)
         result.preempted.append(victim)
@@ -199,17 +293,21 @@ class Scheduler:
                 except Exception as e:
                     self.finish(seq)
                     result.failed.append((seq, e))
-        while self.waiting and len(self.running) < self.max_batch and not result.preempted:  # no thrashing
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_batch or result.preempted:  # no thrashing
+                break
             try:
-                admitted = self._try_admit(seq)
+                state = self._try_admit(seq)
             except Exception as e:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 result.failed.append((seq, e))
                 continue
-            if not admitted:
+            if state == DEFERRED:
+                self.deferrals += 1
+                continue
+            if state == SHORT:  # FCFS: nothing passes a request that waits for memory
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._order += 1
             seq.admitted_order = self._order
             self.running.append(seq)
@@ -222,8 +320,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.id in self.tables:
-            self.tables.release(seq.id)
+        self._release(seq)
 
     def check_invariants(self) -> None:
         self.tables.check_invariants()
@@ -232,3 +329,7 @@ class Scheduler:
         assert len(self.running) <= self.max_batch
         assert all(s.id in self.tables for s in self.running), "a running request holds no page table"
         assert not any(s.id in self.tables for s in self.waiting), "a waiting request holds pages"
+        if self.prefill_tables is not None:
+            self.prefill_tables.check_invariants()
+            held = set(self.prefill_tables.slot_of)
+            assert held <= {s.id for s in self.running if s.prefilling}, "a request not in progress holds prefill pages"

@@ -1,10 +1,11 @@
 """The two phase workers, shared by the in-process :class:`~phaseserve.engine.engine.Engine` and the multi-process
 servers (``phaseserve.serving``): each owns one phase's weights-on-mesh and jitted steps; neither schedules.
 
-- :class:`PrefillWorker`: groups admitted sequences into padded batches (bounded by ``max_prefill_tokens``), runs
-  the prefill step, returns each batch's first tokens and its KV already quantized for the decode cache.
+- :class:`PrefillWorker`: the prefill pool (prompts in progress, prefill KV dtype) and its allocator; groups the
+  step's prompt chunks into padded batches (bounded by ``max_prefill_tokens``), runs the chunk step
+  (``engine.prefill``), and exports finished prompts' pages quantized for the decode cache (``engine.handoff``).
 - :class:`DecodeWorker`: the decode cache (page pool on the decode mesh, allocator, page tables, integrity tracker)
-  and its jitted steps: :meth:`~DecodeWorker.land` scatters handed-over prompt KV into a request's pages,
+  and its jitted steps: :meth:`~DecodeWorker.land` writes handed-over whole pages into a request's pages,
   :meth:`~DecodeWorker.step` runs one integrity-checked decode step for a list of running sequences and returns the
   next tokens plus the typed failures (pages of rows that read NaN/inf are scrubbed before anyone releases them);
   :meth:`~DecodeWorker.swap_out` / :meth:`~DecodeWorker.swap_in` copy pages to host memory and back, bit for bit
@@ -27,12 +28,12 @@ import numpy as np
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
-from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, to_dtype
+from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, canonical_dtype
 from phaseserve.engine.decode import DecodeBatch, decode_step
-from phaseserve.engine.handoff import scatter_prompts
-from phaseserve.engine.prefill import PrefillBatch, prefill_step
+from phaseserve.engine.handoff import export_pages, import_pages, pad, page_bucket, trim
+from phaseserve.engine.prefill import ChunkBatch, chunk_step
 from phaseserve.engine.request import Request
-from phaseserve.engine.scheduler import Sequence
+from phaseserve.engine.scheduler import Chunk, Sequence
 from phaseserve.sharding import pool_shardings, replicated
 
 
@@ -57,6 +58,12 @@ def cache_pages(cfg: ModelConfig, cache: CacheConfig, kv_dtype: str, device: jax
     return pages_for_budget(cfg, kv_dtype, cache.page_size, budget)
 
 
+def prefill_pages(limits: Any, max_prefill_tokens: int) -> int:
+    """Pages of the prefill pool (the null page included): two of the longest prompts a request may bring (so one
+    long prompt in progress never blocks the next from starting) plus one step's token budget of short prompts."""
+    return 2 * limits.max_pages + -(-max_prefill_tokens // limits.page_size) + 1
+
+
 def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
     """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token, ``"length"`` at ``max_tokens``, else None."""
     if token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids):
@@ -77,34 +84,87 @@ def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
 
 
 class PrefillWorker:
-    """Prefill weights on the prefill mesh and the jitted prefill step."""
+    """Prefill weights and the prefill page pool (prefill KV dtype) on the prefill mesh, with the jitted chunk step
+    and the page export of the handoff. The pool holds the KV of the prompts in progress only: a request gets its
+    pages at admission (:attr:`tables`) and gives them back once its pages are handed to decode."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, *, kv_dtype: str, prefill_kv_dtype: str,
-                 max_prefill_tokens: int):
+    def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str,
+                 prefill_kv_dtype: str, max_prefill_tokens: int, page_size: int, num_pages: int,
+                 max_pages_per_seq: int):
         self.cfg, self.params, self.max_prefill_tokens = cfg, params, max_prefill_tokens
-        kv_dt, pre_dt = to_dtype(kv_dtype), to_dtype(prefill_kv_dtype)
-        self._step = jax.jit(lambda p, b: prefill_step(p, cfg, b, kv_dtype=kv_dt, prefill_kv_dtype=pre_dt))
+        self.kv_dtype, self.pool_dtype = kv_dtype, canonical_dtype(prefill_kv_dtype)
+        self.num_pages, self.page_size = num_pages, page_size
+        pool = init_pool(cfg, num_pages, page_size, self.pool_dtype)
+        self._pool_sharding = pool_shardings(pool, mesh)
+        self.pool = jax.device_put(pool, self._pool_sharding)
+        self.allocator = PageAllocator(num_pages)
+        self.tables = PageTables(self.allocator, max_pages_per_seq)
+        rep = replicated(mesh)
+        self._chunk = jax.jit(lambda p, pool, b: chunk_step(p, cfg, pool, b), out_shardings=(rep, self._pool_sharding),
+                              donate_argnums=(1,))
+        self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
+        self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self.sharding = rep
 
-    def groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """Batches of similar prompt lengths whose padded size stays within ``max_prefill_tokens``."""
+    def pool_ok(self) -> bool:
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
+
+    def reset_pool(self) -> None:
+        """A fresh zeroed pool after a failed call consumed the donated one (the caller ended its requests)."""
+        self.pool = jax.device_put(init_pool(self.cfg, self.num_pages, self.page_size, self.pool_dtype),
+                                   self._pool_sharding)
+
+    def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """Batches of similar chunk lengths whose padded size stays within ``max_prefill_tokens``."""
         groups, cur = [], []
-        for seq in sorted(seqs, key=lambda s: s.num_prompt):
-            t = bucket(seq.num_prompt, 16)
+        for ch in sorted(chunks, key=lambda c: c.n):
+            t = bucket(ch.n, 16)
             if cur and bucket(len(cur) + 1) * t > max(self.max_prefill_tokens, t):
                 groups.append(cur)
                 cur = []
-            cur.append(seq)
+            cur.append(ch)
         return groups + ([cur] if cur else [])
 
-    def run(self, group: list[Sequence]) -> tuple[np.ndarray, list, np.ndarray]:
-        """Prefill one group: (first tokens i32[b] on the host, quantized KV per layer, lengths i32[b])."""
-        b, t = bucket(len(group)), bucket(max(s.num_prompt for s in group), 16)
-        tokens, lengths = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
-        for i, s in enumerate(group):
-            tokens[i, : s.num_prompt] = s.tokens[: s.num_prompt]
-            lengths[i] = s.num_prompt
-        first, kvq = self._step(self.params, PrefillBatch(tokens=tokens, lengths=lengths, **sampling_rows(group, b)))
-        return np.asarray(first), kvq, lengths
+    def run(self, group: list[Chunk]) -> np.ndarray:
+        """One chunk step for ``group`` (each request's pages already allocated): the token sampled at each chunk's
+        last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt)."""
+        b, c = bucket(len(group)), bucket(max(ch.n for ch in group), 16)
+        need = max(-(-(ch.start + ch.n) // self.page_size) for ch in group)
+        pt, _, _ = self.tables.batch([ch.id for ch in group], pad_to=b)
+        pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
+        tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
+        valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, ch in enumerate(group):
+            tokens[i, : ch.n] = ch.seq.tokens[ch.start: ch.start + ch.n]
+            positions[i] += ch.start
+            valid[i, : ch.n], lengths[i], last[i] = True, ch.start + ch.n, ch.n - 1
+        batch = ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last,
+                           page_table=pt, **sampling_rows([ch.seq for ch in group], b))
+        first, self.pool = self._chunk(self.params, self.pool, batch)
+        return np.asarray(first)[: len(group)]
+
+    def export(self, pages: list[int]) -> list:
+        """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
+        (see :mod:`phaseserve.engine.handoff`)."""
+        return export_paged(self._export, self.pool, pages, self.kv_dtype, self.page_size)
+
+    def land(self, pages: list[int], payload: list) -> None:
+        """Write a payload (a prefix hit's pages, in the prefill KV dtype, already on this mesh) into ``pages``."""
+        self.pool = import_paged(self._import, self.pool, pages, payload, self.page_size)
+
+
+def export_paged(fn: Any, pool: Any, pages: list[int], dtype: str, page_size: int) -> list:
+    """``fn`` (jitted :func:`export_pages`) at a bucketed page count, trimmed to ``len(pages)`` pages."""
+    idx = np.zeros(page_bucket(len(pages)), np.int32)
+    idx[: len(pages)] = pages
+    return trim(fn(pool, idx, dtype), len(pages) * page_size)
+
+
+def import_paged(fn: Any, pool: Any, pages: list[int], payload: list, page_size: int) -> Any:
+    """``fn`` (jitted :func:`import_pages`, pool donated) on the payload padded to a bucketed page count."""
+    idx = np.zeros(page_bucket(len(pages)), np.int32)
+    idx[: len(pages)] = pages
+    return fn(pool, pad(payload, len(idx) * page_size), idx)
 
 
 class DecodeWorker:
@@ -132,7 +192,8 @@ class DecodeWorker:
         self._decode = jax.jit(
             lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl),
             out_shardings=(rep, self._pool_sharding, rep), donate_argnums=(1,))
-        self._scatter = jax.jit(scatter_prompts, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
 
     def pool_ok(self) -> bool:
@@ -164,11 +225,13 @@ class DecodeWorker:
     def swap_nbytes(host: tuple[int, Any]) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(host[1]))
 
-    def land(self, ids: list[str], kvq: list, lengths: np.ndarray, start: np.ndarray) -> None:
-        """Write prompt KV (already on the decode devices, rows in ``ids`` order, padded) into their pages;
-        positions below ``start`` (a shared prefix) are skipped."""
-        pt, _, _ = self.tables.batch(ids, pad_to=len(lengths))
-        self.pool = self._scatter(self.pool, kvq, pt, lengths, start)
+    def land(self, pages: list[int], payload: list) -> None:
+        """Write handed-over whole pages (already in the storage dtype, on the decode devices) into ``pages``."""
+        self.pool = import_paged(self._import, self.pool, pages, payload, self.page_size)
+
+    def export(self, pages: list[int], dtype: str) -> list:
+        """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
+        return export_paged(self._export, self.pool, pages, dtype, self.page_size)
 
     def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
         """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""

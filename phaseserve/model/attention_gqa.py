@@ -34,10 +34,14 @@ def output(p: GQAParams, x: jax.Array) -> jax.Array:
     return dense(x.reshape(b, t, -1), p.wo)
 
 
-def forward(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None):
-    """Causal self-attention over the whole sequence. Returns (out [B, T, D], (k, v) to cache)."""
+def forward(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None,
+            context=None):
+    """Causal self-attention. Returns (out [B, T, D], (k, v) to cache). ``context((k, v)) -> (k, v)`` [B, S, KV, hd]
+    (None: the tokens themselves) gives the keys to attend over, key s at position s (a prefill chunk: the request's
+    cached KV with the chunk's own written in); ``lengths`` then counts the valid keys."""
     q, k, v = project_qkv(p, cfg, x, positions)
-    out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
+    kc, vc = (k, v) if context is None else context((k, v))
+    out = attention(q, kc, vc, positions, lengths, softmax_scale(cfg))
     return output(p, out), (k, v)
 
 

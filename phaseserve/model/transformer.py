@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,8 @@ from phaseserve.model.layers import mlp, rms_norm
 from phaseserve.model.moe import Dispatch, auto_experts, moe
 from phaseserve.model.params import LayerParams, MLPParams, Params
 from phaseserve.qarrays import dense
+
+Context = Callable[[int, Any], Any]  # (layer index, the chunk's KV) -> the KV the chunk attends over
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -48,25 +51,27 @@ def logits_from_hidden(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Ar
     return dense(h, params.lm_head).astype(jnp.float32)
 
 
-def _layer_attention(layer: LayerParams, cfg: ModelConfig, x, positions, lengths, selection=None):
+def _layer_attention(layer: LayerParams, cfg: ModelConfig, x, positions, lengths, selection=None, context=None):
     """-> (x + attention, the layer's KV to cache, GLM-5's DSA key selection for a following "shared" layer)."""
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
     if cfg.is_mla:
-        out, kv, selection = attention_mla.forward(layer.attn, cfg, h, positions, lengths, selection)
+        out, kv, selection = attention_mla.forward(layer.attn, cfg, h, positions, lengths, selection, context)
     else:
-        out, kv = attention_gqa.forward(layer.attn, cfg, h, positions, lengths)
+        out, kv = attention_gqa.forward(layer.attn, cfg, h, positions, lengths, context)
     return x + out, kv, selection
 
 
-def _stack(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths, positions, dispatch: Dispatch):
+def _stack(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths, positions, dispatch: Dispatch,
+           context: Context | None = None):
     """The causal pass: (hidden f32[B, T, D], per-layer KV, per-MoE-layer stats)."""
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, tokens)
     kvs, stats, selection = [], [], None
-    for layer in params.layers:
-        x, kv, selection = _layer_attention(layer, cfg, x, positions, lengths, selection)
+    for i, layer in enumerate(params.layers):
+        ctx = None if context is None else functools.partial(context, i)
+        x, kv, selection = _layer_attention(layer, cfg, x, positions, lengths, selection, ctx)
         x, st = ffn(layer, cfg, x, dispatch)
         kvs.append(kv)
         if st is not None:
@@ -75,15 +80,20 @@ def _stack(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths, positio
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array | None = None,
-            positions: jax.Array | None = None, logits_at: jax.Array | None = None) -> tuple[jax.Array, list[Any]]:
+            positions: jax.Array | None = None, logits_at: jax.Array | None = None,
+            context: Context | None = None) -> tuple[jax.Array, list[Any]]:
     """Causal pass returning (logits, per-layer KV).
 
     tokens i32[B, T] (right-padded), lengths i32[B] (valid tokens per row; None: all), positions i32[B, T],
     logits_at i32[B] (None: logits f32[B, T, V] for every position; else f32[B, V] at that index per row, so the
     lm head runs once per row). Per-layer KV: ``(k, v)`` each [B, T, KV, hd] for GQA, or the latent
     [B, T, kv_lora + rope] for MLA.
+
+    A prefill *chunk* (tokens at positions past what the request already holds) passes ``context(layer, kv) ->
+    kv over [B, S, ...]``: it stores the chunk's KV with the request's and returns every key the chunk may attend to
+    (key s at position s); ``lengths`` then counts those keys (cached + this chunk's valid tokens).
     """
-    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, auto_experts)
+    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, auto_experts, context)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, cfg, x), kvs

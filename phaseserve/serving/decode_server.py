@@ -6,7 +6,7 @@ pool, allocator, page tables and integrity tracker (the in-process engine's ``De
     waiting  --(pages allocated: prompt + max_tokens, reserve policy; tags recorded in PageTables)-->
     requested  --("serve" to the prefill side; it verifies the descriptor and arms await_pull)-->
     pulling  --(connect(address).pull(uuid, avals): arrays land in fresh buffers; is_ready() polled)-->
-    landed: scatter_prompts into the request's pages, ("release", uuid) to the prefill side  -->  running
+    landed: whole pages written into the request's pages, ("release", uuid) to the prefill side  -->  running
 
 Page safety. A request's pages are held from admission until its transfer is *done*: landed and scattered, or
 refused, or abandoned at the deadline (its buffers are then never scattered). A cancel that arrives while the
@@ -35,7 +35,6 @@ from collections import deque
 from typing import Any
 
 import jax
-import numpy as np
 
 from phaseserve.cache.paged import is_scaled
 from phaseserve.config import canonical_dtype
@@ -283,8 +282,8 @@ class DecodeServer:
         self.router_q.put(("release", desc.uuid))  # landed or failed: the prefill side may free its staging now
         try:
             jax.block_until_ready(pull.arrays)  # raises if the pull errored (e.g. the prefill peer died mid-pull)
-            length = len(seq.request.prompt)  # the staged length (both sides checked the descriptor against it)
-            self.worker.land([seq.id], self._kvq(pull.arrays), np.asarray([length], np.int32), np.zeros(1, np.int32))
+            n = -(-len(seq.request.prompt) // self.page_size)  # the staged pages (both sides checked the descriptor)
+            self.worker.land(self.tables.owned(seq.id)[:n], self._kvq(pull.arrays))
             jax.block_until_ready(self.worker.pool)  # the write has landed before anything may touch these pages
         except Exception as e:
             self.stats["transfer_errors"] += 1

@@ -4,10 +4,10 @@ One process, its own devices (on CPU: simulated host devices), its own copy of t
 representation (``QuantConfig.prefill_weights``). Its loop::
 
     drain the inbox  ->  answer pull requests ("serve": verify the descriptor, arm await_pull, reply)
-                     ->  prefill the queued prompts in length-sorted, power-of-two padded groups
-                         (the same grouping as the in-process engine, so shapes and tokens match it)
-                     ->  stage each prompt's KV (already quantized to the decode storage dtype, e.g. FP8)
-                         and send the router ("prefilled", rid, first_token, descriptor)
+                     ->  prefill the queued prompts in chunks over this server's prefill pool (prefill KV
+                         dtype), ``max_prefill_tokens`` per round: the engine's chunk step and grouping
+                     ->  stage each finished prompt's pages (quantized to the decode storage dtype, e.g. FP8:
+                         whole pages only) and send the router ("prefilled", rid, first_token, descriptor)
                      ->  free staged KV whose TTL passed (the decode side died or never asked)
 
 A request whose first token already finishes it (``max_tokens == 1`` or a stop token) is not staged at all.
@@ -27,12 +27,11 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from phaseserve.config import canonical_dtype
 from phaseserve.engine.request import Limits, Request, RequestOutput, validate
-from phaseserve.engine.scheduler import Sequence
-from phaseserve.engine.workers import PrefillWorker, stop_reason
+from phaseserve.engine.scheduler import Chunk, Sequence
+from phaseserve.engine.workers import PrefillWorker, prefill_pages, stop_reason
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.serving.protocol import (
@@ -48,18 +47,6 @@ from phaseserve.serving.transfer import StagingArea, deadline_after, start_endpo
 from phaseserve.sharding import make_mesh, shard_params
 
 
-def request_kv(kvq: list, row: int, length: int, page_size: int, device: jax.Device) -> list:
-    """Row ``row`` of a prefill batch's KV as flat leaves ``[T_r, ...]``, ``T_r`` = whole pages of ``length``."""
-    t_r = -(-length // page_size) * page_size
-    out = []
-    for x in jax.tree.leaves(kvq):
-        y = x[row, :t_r]
-        if y.shape[0] < t_r:  # the batch was padded to fewer positions than whole pages need
-            y = jnp.pad(y, [(0, t_r - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
-        out.append(jax.device_put(y, device))
-    return out
-
-
 class PrefillServer:
     def __init__(self, spec: ServerSpec, inbox: Any, router_q: Any):
         self.spec, self.inbox, self.router_q = spec, inbox, router_q
@@ -69,13 +56,15 @@ class PrefillServer:
         self.mesh = make_mesh(devices, tp=serve.mesh.prefill_tp)
         self.params = shard_params(self.cfg, quantize_params(params, phase_policy(serve.quant, "prefill")), self.mesh)
         self.kv_dtype = canonical_dtype(serve.quant.kv_dtype)
-        self.worker = PrefillWorker(self.cfg, self.params, kv_dtype=self.kv_dtype,
+        self.limits = Limits.of(self.cfg, serve, staging_pages=spec.staging_pages)
+        self.worker = PrefillWorker(self.cfg, self.params, self.mesh, kv_dtype=self.kv_dtype,
                                     prefill_kv_dtype=serve.quant.prefill_kv_dtype,
-                                    max_prefill_tokens=serve.max_prefill_tokens)
+                                    max_prefill_tokens=serve.max_prefill_tokens, page_size=serve.cache.page_size,
+                                    num_pages=prefill_pages(self.limits, serve.max_prefill_tokens),
+                                    max_pages_per_seq=self.limits.max_pages)
         self.device = devices[0]
         self.endpoint = start_endpoint(spec.bind, self.device)
         self.staging = StagingArea(self.endpoint, spec.staging_pages, serve.cache.page_size, spec.staging_ttl_s)
-        self.limits = Limits.of(self.cfg, serve, staging_pages=spec.staging_pages)
         self.pending: list[Request] = []
         self.delayed: list[tuple[float, TransferDescriptor]] = []
         self.stats = dict(prefill_batches=0, prefill_tokens=0, prefill_time=0.0, served=0, released=0, failed=0,
@@ -144,41 +133,87 @@ class PrefillServer:
 
     # ---- prefill ------------------------------------------------------------------------------------------
     def prefill_pending(self) -> None:
+        """Prefill the queued prompts in chunks (the engine's chunk step and budget, ``max_prefill_tokens`` per round,
+        over this server's prefill pool), staging each one's pages as its last chunk is done."""
         reqs, self.pending = self.pending, []
         t0 = time.perf_counter()
-        seqs = [Sequence(request=r, output=RequestOutput(id=r.id), tokens=list(r.prompt), num_prompt=len(r.prompt))
-                for r in reqs]
-        for group in self.worker.groups(seqs):  # the engine's grouping, so shapes and tokens match it
-            self._prefill_group(group)
+        seqs = [s for s in map(self._admit, reqs) if s is not None]
+        while seqs:
+            chunks, budget = [], self.spec.serve.max_prefill_tokens
+            for s in seqs:
+                if budget <= 0:
+                    break
+                chunks.append(Chunk(s, s.computed, min(s.num_prompt - s.computed, budget)))
+                budget -= chunks[-1].n
+            for group in self.worker.groups(chunks):
+                self._prefill_group(group)
+            seqs = [s for s in seqs if s.id in self.worker.tables]  # done (staged) or failed ones have left
         self.stats["prefill_time"] += time.perf_counter() - t0
 
-    def _prefill_group(self, group: list[Sequence]) -> None:
-        """Prefill and stage one group; if it raises, each request again alone (only the failing ones fail)."""
+    def _admit(self, r: Request) -> Sequence | None:
+        """The prompt's pages of the prefill pool, or None (queued again) while the pool is short."""
+        tables = self.worker.tables
+        need = -(-len(r.prompt) // self.spec.serve.cache.page_size)
+        if tables.allocator.num_free < need:
+            self.pending.append(r)
+            return None
         try:
-            first, kvq, lengths = self.worker.run(group)
+            tables.add(r.id)
+            tables.allocate(r.id, need)
         except Exception as e:
-            if len(group) == 1:
-                return self._fail(group[0].id, e)
-            for s in group:
-                self._prefill_group([s])
+            self._drop(r.id)
+            self._fail(r.id, e)
+            return None
+        return Sequence(request=r, output=RequestOutput(id=r.id), tokens=list(r.prompt), num_prompt=len(r.prompt))
+
+    def _drop(self, rid: str) -> None:
+        if rid in self.worker.tables:
+            self.worker.tables.release(rid)
+
+    def _prefill_group(self, group: list[Chunk]) -> None:
+        """One chunk step; if it raises, each request again alone (only the failing ones fail)."""
+        try:
+            first = self.worker.run(group)
+        except Exception as e:
+            if not self.worker.pool_ok():  # the donated pool is gone: every prompt in progress lost its KV
+                for rid in list(self.worker.tables.slot_of):
+                    self._drop(rid)
+                    self._fail(rid, e)
+                self.worker.reset_pool()
+            elif len(group) == 1:
+                self._drop(group[0].id)
+                self._fail(group[0].id, e)
+            else:
+                for c in group:
+                    self._prefill_group([c])
             return
         self.stats["prefill_batches"] += 1
-        self.stats["prefill_tokens"] += int(lengths.sum())
-        for i, s in enumerate(group):
-            r, tok = s.request, int(first[i])
-            try:
-                if stop_reason(r, tok, 1, self.cfg.eos_token_ids):
-                    self.router_q.put(("prefilled", r.id, tok, None))
-                    continue
-                leaves = request_kv(kvq, i, len(r.prompt), self.spec.serve.cache.page_size, self.device)
-                desc = self.staging.stage(r.id, leaves, len(r.prompt), self.kv_dtype)
-            except Exception as e:
-                self._fail(r.id, e)
-                continue
-            if desc is None:  # staging full for now (validate() refused prompts it could never hold): retry later
-                self.pending.append(r)
-                continue
-            self.router_q.put(("prefilled", r.id, tok, desc))
+        self.stats["prefill_tokens"] += sum(c.n for c in group)
+        for c, tok in zip(group, first, strict=True):
+            c.seq.computed += c.n
+            if c.ends_prompt:
+                self._stage(c.seq, int(tok))
+
+    def _stage(self, s: Sequence, tok: int) -> None:
+        """A finished prompt: its pages (decode storage dtype) staged for the decode side's pull, and the router
+        told; its prefill pages are freed either way."""
+        r = s.request
+        try:
+            if stop_reason(r, tok, 1, self.cfg.eos_token_ids):
+                self.router_q.put(("prefilled", r.id, tok, None))
+                return
+            payload = self.worker.export(self.worker.tables.owned(r.id))
+            leaves = [jax.device_put(x[0], self.device) for x in jax.tree.leaves(payload)]  # [T_r, ...] whole pages
+            desc = self.staging.stage(r.id, leaves, len(r.prompt), self.kv_dtype)
+        except Exception as e:
+            self._fail(r.id, e)
+            return
+        finally:
+            self._drop(r.id)
+        if desc is None:  # staging full for now (validate() refused prompts it could never hold): retry later
+            self.pending.append(r)
+            return
+        self.router_q.put(("prefilled", r.id, tok, desc))
 
     # ---- loop ---------------------------------------------------------------------------------------------
     def run(self) -> None:

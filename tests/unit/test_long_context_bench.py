@@ -64,3 +64,18 @@ def test_hydra_experiment_lists_the_points():
     assert [lc.parse_point(p) for p in spec.points] == [(v, t, float(b)) for v, t, b in lc.POINTS]
     with pytest.raises(ValueError, match="unknown variant"):
         lc.parse_point("heads65:1024:10")
+
+
+def test_engine_section_reports_each_part_and_what_is_missing(tmp_path):
+    eng = {"status": "ok",
+           "e2e": {"T": 32768, "new_tokens": 64, "chunk": 2048, "finish": "length", "generated": 64, "seconds": 900.0,
+                   "ttft_s": 700.0, "prefill_steps": 16, "decode_steps": 63, "peak_rss_bytes": 3 * 2**30},
+           "chunked_vs_unchunked": {"T": 4096, "new_tokens": 64, "chunk": 512, "float32_equal": True,
+                                    "fp8_agreement": 0.75, "fp8_first_divergence": 48}}
+    md = lc.engine_markdown(eng)
+    assert "32,768-token prompt prefilled in 16 chunks of 2,048 tokens, then 64 decode tokens: peak RSS 3.00 GiB" in md
+    assert "float32 tokens equal: True" in md and "agreement 0.75 (first divergence at token 48)" in md
+    assert "Prefix reuse" not in md  # a part that did not run is not reported
+    lc.write(tmp_path, [{"variant": "default", "T": 1024, "status": "ok"}], eng, log=lambda _: None)
+    assert "## The engine end to end" in (tmp_path / "long_context.md").read_text()
+    assert lc.json.loads((tmp_path / "long_context.json").read_text())["engine"] == eng

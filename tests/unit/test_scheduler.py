@@ -1,5 +1,6 @@
 """Scheduler (no JAX): admission by free pages under both policies, the concurrency cap, growth and preemption by
-recompute, tenant-salted prefix reuse, stale prefix entries, and a drain that frees every page."""
+recompute, tenant-salted prefix reuse, stale prefix entries, a drain that frees every page, chunked prefill under a
+token budget with the prefill pool's pages, and requests sharing a prefix computing it once."""
 
 from __future__ import annotations
 
@@ -11,9 +12,22 @@ from phaseserve.engine.request import Request, RequestOutput
 from phaseserve.engine.scheduler import Scheduler, Sequence, page_hashes
 
 
-def make(num_pages=17, page_size=4, max_batch=8, policy="reserve", prefix=True):
+def make(num_pages=17, page_size=4, max_batch=8, policy="reserve", prefix=True, prefill_pages=None):
     tables = PageTables(PageAllocator(num_pages), max_pages_per_seq=16)
-    return Scheduler(tables, page_size, max_batch, policy, prefix)
+    pre = None if prefill_pages is None else PageTables(PageAllocator(prefill_pages), max_pages_per_seq=16)
+    return Scheduler(tables, page_size, max_batch, policy, prefix, prefill_tables=pre)
+
+
+def run_chunks(s, budget):
+    """One step's prefill as the engine does it: plan, compute, hand off (prefilled + registered) the done ones."""
+    chunks = s.plan_chunks(budget)
+    for c in chunks:
+        c.seq.computed += c.n
+        if c.ends_prompt:
+            s.prefilled(c.seq)
+            s.register_prefix(c.seq)
+    s.check_invariants()
+    return [(c.id, c.start, c.n) for c in chunks]
 
 
 def seq(rid, prompt, max_tokens=4, tenant=""):
@@ -23,7 +37,7 @@ def seq(rid, prompt, max_tokens=4, tenant=""):
 
 def test_reserve_admits_by_whole_request_pages_and_respects_the_cap():
     s = make(num_pages=17, max_batch=3)  # 16 usable pages
-    seqs = [seq(f"r{i}", range(7), max_tokens=6) for i in range(5)]  # 7 + 6 - 1 = 12 tokens -> 3 pages each
+    seqs = [seq(f"r{i}", range(10 * i, 10 * i + 7), max_tokens=6) for i in range(5)]  # 7 + 6 - 1 -> 3 pages each
     for q in seqs:
         s.add(q)
     res = s.schedule()
@@ -51,7 +65,7 @@ def test_reserve_stops_at_the_head_of_the_queue_when_short():
 
 def test_on_demand_grows_and_preempts_the_newest_by_recompute():
     s = make(num_pages=7, policy="on_demand")  # 6 usable pages of 4 tokens
-    a, b = seq("a", range(7), max_tokens=20), seq("b", range(7), max_tokens=20)
+    a, b = seq("a", range(7), max_tokens=20), seq("b", range(10, 17), max_tokens=20)
     s.add(a)
     s.add(b)
     assert [q.id for q in s.schedule().admitted] == ["a", "b"]  # 2 pages each (7 prompt + 1 pending)
@@ -130,3 +144,68 @@ def test_random_workload_drains_without_leaks():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="admission policy"):
         make(policy="greedy")
+
+
+def test_chunks_share_the_token_budget_and_hold_prefill_pages_until_handed_off():
+    s = make(num_pages=33, prefill_pages=9)  # 8 prefill pages: 32 tokens in progress at most
+    a, b, c = seq("a", range(100, 118)), seq("b", range(200, 205)), seq("c", range(300, 320))
+    for q in (a, b, c):
+        s.add(q)
+    assert [q.id for q in s.schedule().admitted] == ["a", "b", "c"]  # decode pages; prefill pages at the 1st chunk
+    pre = s.prefill_tables.allocator
+    assert run_chunks(s, 8) == [("a", 0, 8)] and pre.num_free == 3  # a holds its 5 prefill pages
+    assert run_chunks(s, 8) == [("a", 8, 8)]
+    # the tail of a and all of b share one step; c (5 pages) cannot start while a and b hold 7 of the 8
+    assert run_chunks(s, 8) == [("a", 16, 2), ("b", 0, 5)]
+    assert not a.prefilling and not b.prefilling and c.prefilling and pre.num_free == 8
+    assert run_chunks(s, 8) == [("c", 0, 8)]
+    assert run_chunks(s, 64) == [("c", 8, 12)] and pre.num_free == 8
+    assert s.plan_chunks(8) == []
+    for q in list(s.running):
+        s.finish(q)
+    s.check_invariants()
+    assert s.tables.allocator.num_free == 32 and pre.num_free == 8
+
+
+def test_requests_sharing_a_prefix_compute_it_once():
+    s = make(num_pages=65, prefill_pages=33, max_batch=8)
+    prefix = list(range(500, 512))  # three full pages
+    same = [seq(f"s{i}", prefix + [i, i + 1]) for i in range(3)]
+    other = seq("o", range(600, 614))
+    for q in same + [other]:
+        s.add(q)
+    res = s.schedule()
+    assert [q.id for q in res.admitted] == ["s0", "o"]  # s1, s2 wait for s0's prefix; o passes them
+    assert list(s.waiting) == same[1:] and s.deferrals == 2
+    assert run_chunks(s, 4) == [("s0", 0, 4)]
+    assert s.schedule().admitted == []  # s0's pages are still being computed
+    run_chunks(s, 64)
+    res = s.schedule()
+    assert [q.id for q in res.admitted] == ["s1", "s2"]
+    assert [(q.shared_pages, q.computed) for q in res.admitted] == [(3, 12), (3, 12)]
+    assert s.tables.owned("s1")[:3] == s.tables.owned("s0")[:3] == s.tables.owned("s2")[:3]
+    assert run_chunks(s, 64) == [("s1", 12, 2), ("s2", 12, 2)]  # only the suffixes are computed
+    assert s.hit_pages == 6
+    whole = seq("w", prefix)  # a prompt that is all cached pages still computes its last token
+    s.add(whole)
+    s.schedule()
+    assert (whole.shared_pages, whole.computed) == (2, 8) and run_chunks(s, 64) == [("w", 8, 4)]
+
+
+def test_preempting_a_prompt_in_progress_restarts_it_and_frees_its_prefill_pages():
+    s = make(num_pages=9, policy="on_demand", prefill_pages=17)  # 8 decode pages of 4 tokens
+    a, b = seq("a", range(7), max_tokens=30), seq("b", range(50, 69), max_tokens=4)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    assert run_chunks(s, 10) == [("a", 0, 7), ("b", 0, 3)]  # a done; b in progress
+    assert b.prefilling and "b" in s.prefill_tables and s.prefill_tables.allocator.num_free == 11
+    preempted = []
+    for step in range(12):
+        a.tokens.append(step)
+        preempted += s.schedule().preempted
+        s.check_invariants()
+        if preempted:
+            break
+    assert preempted == [b] and b.num_prompt == 19 and b.computed == 0  # the prompt again, not prompt - 1
+    assert "b" not in s.prefill_tables and s.prefill_tables.allocator.num_free == 16
