@@ -9,7 +9,8 @@ per-step attention cost is ``O(K)``, whatever the context length::
 
 An index is valid when ``0 <= t < lengths[b]``; invalid entries (a row with fewer than K tokens, padding rows with
 length 0) are masked, and a row without a valid index gives zeros. Pages: ``latent_pages [P, S, r + rope]``
-(bf16, f32 or float8_e4m3fn), ``scales f32[P, S]`` (FP8), ``page_table i32[B, max_pages]``.
+(bf16, f32 or float8_e4m3fn, or their raw uint16 / uint8 bits), ``scales f32[P, S]`` (FP8),
+``page_table i32[B, max_pages]``.
 
 :func:`gather_selected` reads the K selected rows from the pages (an XLA gather on the storage bits: K rows, never
 the pool) and the kernels attend over them in blocks of ``block_k`` tokens with the online softmax of
@@ -51,9 +52,16 @@ from pallas_kernels.paged_attention import PAGE_DTYPES
 MAX_BLOCK_K = 128  # tokens per kernel step
 
 
+# pools held as raw bits (phaseserve's XLA:CPU storage, ``cache.paged.storage_dtype``) -> the values they hold
+RAW_BITS = {jnp.dtype(jnp.uint8): jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint16): jnp.dtype(jnp.bfloat16)}
+
+
 def _take_rows(flat: jax.Array, rows: jax.Array) -> jax.Array:
-    """flat [M, F] -> flat[rows] [..., F], on the raw bits for sub-32-bit dtypes (no whole-pool convert on CPU)."""
-    if flat.dtype.itemsize >= 4:
+    """flat [M, F] -> flat[rows] [..., F] as values: a raw-bit pool is gathered, then the K rows reinterpreted; a
+    sub-32-bit pool on the CPU is gathered on its bits (XLA:CPU would convert the whole pool)."""
+    if flat.dtype in RAW_BITS:
+        return jax.lax.bitcast_convert_type(flat[rows], RAW_BITS[flat.dtype])
+    if flat.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
         return flat[rows]
     bits = jnp.dtype(f"uint{8 * flat.dtype.itemsize}")
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(flat, bits)[rows], flat.dtype)
@@ -66,6 +74,7 @@ def gather_selected(latent_pages: jax.Array, scales: jax.Array | None, page_tabl
     f32[B, K] | None; valid bool[B, K])."""
     p, s, w = latent_pages.shape
     mp = page_table.shape[1]
+    indices = jnp.sort(indices, axis=-1)  # position order: page by page reads (the softmax ignores the order)
     valid = (indices >= 0) & (indices < lengths[:, None]) & (indices < mp * s)
     page = jnp.take_along_axis(jnp.clip(page_table, 0, p - 1), jnp.clip(indices // s, 0, mp - 1), axis=1)
     flat = jnp.where(valid, page * s + indices % s, 0)  # invalid: slot 0 of the null page
@@ -101,14 +110,14 @@ def _check(q_latent, q_rope, latent_pages, page_table, indices, lengths, scales)
     if q_rope.shape[:2] != (b, h) or f != r + q_rope.shape[2]:
         raise ValueError(f"q_rope {q_rope.shape} / latent_pages {latent_pages.shape} do not fit "
                          f"q_latent {q_latent.shape}")
-    if jnp.dtype(latent_pages.dtype) not in PAGE_DTYPES:
+    if jnp.dtype(latent_pages.dtype) not in PAGE_DTYPES and jnp.dtype(latent_pages.dtype) not in RAW_BITS:
         raise ValueError(f"page dtype must be one of {[str(t) for t in PAGE_DTYPES]}, got {latent_pages.dtype}")
     if page_table.shape[0] != b or indices.shape[0] != b or lengths.shape != (b,):
         raise ValueError(f"page_table {page_table.shape} / indices {indices.shape} / lengths {lengths.shape} do not "
                          f"match batch {b}")
     if scales is not None and scales.shape != (p, s):
         raise ValueError(f"scales must be [P, S] = {(p, s)}, got {scales.shape}")
-    if is_fp8(latent_pages.dtype) and scales is None:
+    if (is_fp8(latent_pages.dtype) or jnp.dtype(latent_pages.dtype) == jnp.uint8) and scales is None:
         raise ValueError("FP8 latent pages need scales")
 
 
