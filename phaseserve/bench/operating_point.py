@@ -493,7 +493,7 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
 # ---- applying the rule to another experiment ------------------------------------------------------------------------
 def apply_operating_point(cfg: DictConfig, path: str | Path = CURVE) -> tuple[DictConfig, dict]:
     """``cfg`` moved to the operating point :func:`choose` picks on the committed curve: that model and weights,
-    the BF16 KV budget for ``B`` requests, offered concurrency ``[B/2, B, 2B]``; and the record of the choice (rule,
+    the BF16 KV budget for ``B`` requests, offered concurrency ``[B, 2B]`` (each dtype's peak); and the record of the choice (rule,
     curve, prediction), written into the results before anything is measured."""
     res = load_curves(path)
     s = res["settings"]
@@ -504,7 +504,7 @@ def apply_operating_point(cfg: DictConfig, path: str | Path = CURVE) -> tuple[Di
     b, w = choice["batch"], choice["weights"]
     out = with_overrides(cfg, {"model": model_overrides(res, choice["model"]), "quant.prefill_weights": w,
                                "quant.decode_weights": w, "cache.kv_budget_requests": b, "cache.kv_budget_bytes": None,
-                               "cache.budget_dtype": "bfloat16", "workload.concurrency": [max(b // 2, 1), b, 2 * b]})
+                               "cache.budget_dtype": "bfloat16", "workload.concurrency": [b, 2 * b]})
     info = {"curve": str(path), "curve_date": res["environment"]["date"], "curve_commit": res["environment"].get(
         "git_commit"), "rule": RULE_TEXT.format(**s), **choice}
     return out, info

@@ -116,7 +116,7 @@ def test_apply_operating_point_moves_kv_dtype_to_the_chosen_point(tmp_path):
     assert info["model"] == "mid" and info["batch"] == 16 and info["rule"].startswith("the smallest model")
     assert out.model.checkpoint is None and out.model.overrides.x == 1
     assert out.quant.decode_weights == "bfloat16" and out.cache.kv_budget_requests == 16
-    assert out.cache.budget_dtype == "bfloat16" and list(out.workload.concurrency) == [8, 16, 32]
+    assert out.cache.budget_dtype == "bfloat16" and list(out.workload.concurrency) == [16, 32]
     res["records"] = [r for r in records if r["arm"].startswith("lin")]
     path.write_text(json.dumps(res))
     with pytest.raises(ValueError, match="no operating point"):
