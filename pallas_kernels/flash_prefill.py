@@ -22,7 +22,9 @@ see (it starts past the block's largest position, or past every row's length) is
   count scalar-prefetched into SMEM; the K/V index maps clamp to the last needed block (no new DMA) and
   ``pl.when`` skips the compute, the running statistics live in VMEM scratch.
 
-Block sizes come from :mod:`pallas_kernels.tuning` (``prefill_blocks``).
+Block sizes come from :mod:`pallas_kernels.tuning` (``prefill_blocks``). The body is chosen per lowering platform
+(``common.dispatch_kernel``: ``jax.export`` for ``tpu`` from a CPU process builds the Mosaic body) and recorded in
+the kernel provenance as ``flash_prefill``.
 """
 
 from __future__ import annotations
@@ -40,13 +42,11 @@ from pallas_kernels.common import (
     NEG_INF,
     cdiv,
     compute_dtype,
-    dispatch,
+    dispatch_kernel,
     dot_nt,
     finalize,
     next_pow2,
     online_softmax_step,
-    resolve_interpret,
-    resolve_target,
 )
 
 
@@ -280,13 +280,14 @@ def flash_prefill(
 
     reference = functools.partial(flash_prefill_reference, sm_scale=sm_scale)
 
-    def run_pallas():
-        fwd = _tpu_forward if resolve_target(target) == "tpu" else _gpu_forward
-        kernel = functools.partial(fwd, sm_scale=sm_scale, interpret=resolve_interpret(interpret))
+    def build(tgt, interp):
+        fwd = _tpu_forward if tgt == "tpu" else _gpu_forward
+        kernel = functools.partial(fwd, sm_scale=sm_scale, interpret=interp)
         pos = q_positions.astype(jnp.int32)
         return _kernel_with_reference_grad(kernel, reference, q, k, v, pos, _lengths(lengths, b, k.shape[1]))
 
-    return dispatch(impl, run_pallas, lambda: reference(q, k, v, q_positions, lengths))
+    return dispatch_kernel("flash_prefill", impl, target, interpret, build,
+                           lambda: reference(q, k, v, q_positions, lengths))
 
 
 def _kernel_with_reference_grad(kernel, reference, q, k, v, pos, lens):

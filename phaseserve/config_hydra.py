@@ -110,6 +110,7 @@ class EngineSpec:
     max_context: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     attn_impl: str = "auto"  # "auto" | "pallas" | "reference" (Engine(attn_impl=...))
+    matmul_impl: str = "auto"  # quantized-weight matmuls, same choices (Engine(matmul_impl=...))
 
 
 @dataclass

@@ -15,6 +15,10 @@ implementation by *registered type* (:func:`register`), never by duck typing. Ev
 :func:`dense`, every routed-expert matmul :func:`grouped_dense`, so the model runs unchanged on any representation.
 Calibration registers its recording tap the same way (``phaseserve.quant.calibrate``).
 
+Inside a ``phaseserve.kernel_mesh.kernel_scope`` (the engine's jitted steps), quantized-weight kernels run with the
+scope's ``matmul_impl`` and, on a mesh, under ``shard_map`` with the weight's partition spec
+(``kernel_mesh.dense`` / ``kernel_mesh.grouped_dense``); every call is recorded for the engine's provenance table.
+
 Layering: ``config`` -> this module -> ``model`` -> ``quant`` (policies, quantization, calibration, formats).
 """
 
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_matmul import Fp8Weight, dequantize_fp8, fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4, int4_grouped_matmul, int4_matmul
+from phaseserve import kernel_mesh
 
 __all__ = ["Fp8Weight", "Int4Weight", "QuantOps", "dense", "dequantize", "grouped_dense", "is_quantized",
            "register", "stored_arrays"]
@@ -38,8 +43,8 @@ __all__ = ["Fp8Weight", "Int4Weight", "QuantOps", "dense", "dequantize", "groupe
 class QuantOps:
     """How one quantized weight type multiplies and expands."""
 
-    dense: Callable[[jax.Array, Any], jax.Array]  # (x [..., K], w [K, N]) -> [..., N] in x's dtype
-    grouped_dense: Callable[[jax.Array, Any, jax.Array], jax.Array]  # (x [M, K], w [E, K, N], sizes i32[E])
+    dense: Callable[..., jax.Array]  # (x [..., K], w [K, N], *, impl=...) -> [..., N] in x's dtype
+    grouped_dense: Callable[..., jax.Array]  # (x [M, K], w [E, K, N], sizes i32[E], *, impl=...) -> [M, N]
     dequantize: Callable[[Any, Any], jax.Array]  # (w, dtype) -> plain array of w's shape
 
 
@@ -76,16 +81,17 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     """``x @ w``: x [..., K], w [K, N] (plain or quantized) -> [..., N] in x's dtype, f32 accumulation."""
     ops = _OPS.get(type(w))
     if ops is not None:
-        return ops.dense(x, w)
-    return jnp.einsum("...k,kn->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        return kernel_mesh.dense(x, w, ops.dense)
+    return kernel_mesh.plain("dense:plain", lambda: jnp.einsum(
+        "...k,kn->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype))
 
 
 def grouped_dense(x: jax.Array, w: Any, group_sizes: jax.Array) -> jax.Array:
     """Ragged expert matmul: x [M, K] sorted by expert, w [E, K, N], group_sizes i32[E] -> [M, N]."""
     ops = _OPS.get(type(w))
     if ops is not None:
-        return ops.grouped_dense(x, w, group_sizes)
-    return _ragged(x, w, group_sizes)
+        return kernel_mesh.grouped_dense(x, w, group_sizes, ops.grouped_dense)
+    return kernel_mesh.plain("grouped:plain", lambda: _ragged(x, w, group_sizes))
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

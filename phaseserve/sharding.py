@@ -1,8 +1,8 @@
 """Logical axes -> mesh axes, and the prefill / decode meshes.
 
 A mesh has two axes: ``ep`` (expert parallel) and ``tp`` (tensor parallel). Parameters carry logical axis
-names (``phaseserve.model.params``); :data:`DEFAULT_RULES` maps them to mesh axes with flax's
-``logical_to_mesh_axes``:
+names (``phaseserve.model.params``); :data:`DEFAULT_RULES` (defined in ``phaseserve.kernel_mesh``, which the kernel
+calls' ``shard_map`` specs come from too) maps them to mesh axes with flax's ``logical_to_mesh_axes``:
 
 =============  ==========  =============================================================
 logical axis   mesh axis   why
@@ -17,7 +17,9 @@ everything     (none)      embeddings, norms, routers, q LoRA are replicated
 =============  ==========  =============================================================
 
 An axis whose size does not divide by its mesh axis is replicated instead (tiny test models). Quantized
-weights (INT4 / FP8 pytrees) shard each of their arrays along the same logical axes as the plain weight.
+weights (INT4 / FP8 pytrees) shard each of their arrays along the same logical axes as the plain weight, and only
+where every array allows it (an INT4 group or FP8 scale block never straddles two devices).
+:func:`sharded_step` traces a worker's step inside a kernel scope, so its Pallas calls run under ``shard_map``.
 
 Device sets that this machine does not have are a :class:`~phaseserve.config.ConfigError` that says how many
 devices exist and how to simulate more on a CPU (:data:`SIMULATE_HINT`).
@@ -25,30 +27,21 @@ devices exist and how to simulate more on a CPU (:data:`SIMULATE_HINT`).
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from phaseserve.config import ConfigError, MeshConfig, ModelConfig
+from phaseserve.kernel_mesh import DEFAULT_RULES, component_specs, head_axis, kernel_scope, spec_for, weight_spec
 from phaseserve.model.params import logical_axes
 
-DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
-    ("q_heads", "tp"),
-    ("kv_heads", "tp"),
-    ("mlp", "tp"),
-    ("expert_mlp", "tp"),
-    ("experts", "ep"),
-    ("vocab", None),
-    ("embed", None),
-    ("kv_lora", None),
-    ("q_lora", None),
-    ("head_dim", None),
-    ("norm", None),
-)
-
+__all__ = ["DEFAULT_RULES", "SIMULATE_HINT", "make_mesh", "mesh_of", "param_shardings", "phase_devices",
+           "pick_devices", "pool_shardings", "replicated", "shard_params", "sharded_step", "spec_for",
+           "split_devices", "weight_axes"]
 
 SIMULATE_HINT = ("on a CPU, simulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N, set "
                  "before jax is imported; or leave MeshConfig's device sets at None (they fit any machine)")
@@ -109,27 +102,42 @@ def phase_devices(devices: list, mesh: MeshConfig, mode: str) -> tuple[list, lis
     return dec, dec
 
 
-def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
-             rules=DEFAULT_RULES) -> PartitionSpec:
-    """PartitionSpec of one array, dropping mesh axes that do not divide the dimension."""
-    if len(axes) != len(shape):  # a quantized component with a different rank: replicate
-        return PartitionSpec()
-    spec = nn.logical_to_mesh_axes(axes, rules)
-    out = []
-    for dim, ax in zip(shape, spec, strict=True):
-        size = 1 if ax is None else mesh.shape[ax]
-        out.append(ax if ax is not None and dim % size == 0 and size > 1 else None)
-    return PartitionSpec(*out)
+def weight_axes(cfg: ModelConfig, params: Any) -> list[tuple[Any, tuple]]:
+    """``(weight, logical axes)`` for every weight of ``params`` (a quantized weight is one entry)."""
+    out: list[tuple[Any, tuple]] = []
+    jax.tree.map(lambda ax, w: out.append((w, ax)), logical_axes(cfg), params, is_leaf=lambda x: isinstance(x, tuple))
+    return out
 
 
 def param_shardings(cfg: ModelConfig, params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
-    """NamedShardings for a params tree (plain or quantized leaves) on ``mesh``."""
-    axes = logical_axes(cfg)
+    """NamedShardings for a params tree (plain or quantized leaves) on ``mesh``: each weight's
+    :func:`~phaseserve.kernel_mesh.weight_spec`, the spec its kernel calls are ``shard_map``'d with."""
+    def one(ax: tuple, w: Any) -> Any:
+        specs = component_specs(w, weight_spec(ax, w, mesh, rules))
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    def one(ax: tuple, sub: Any) -> Any:
-        return jax.tree.map(lambda a: NamedSharding(mesh, spec_for(ax, a.shape, mesh, rules)), sub)
+    return jax.tree.map(one, logical_axes(cfg), params, is_leaf=lambda x: isinstance(x, tuple))
 
-    return jax.tree.map(one, axes, params, is_leaf=lambda x: isinstance(x, tuple))
+
+def mesh_of(params: Any) -> Mesh:
+    """The mesh a placed params tree lives on (its first NamedSharding)."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    raise ValueError("params are not placed on a mesh (no NamedSharding leaf); place them with shard_params")
+
+
+def sharded_step(fn: Callable, cfg: ModelConfig, mesh: Mesh, *, phase: str, matmul_impl: str = "auto",
+                 attn_impl: str = "auto", log: collections.Counter | None = None) -> Callable:
+    """``fn(params, *args)`` traced inside a :func:`~phaseserve.kernel_mesh.kernel_scope` on ``mesh``: every
+    kernel call in it is ``shard_map``'d with its weight's spec and recorded in ``log``."""
+    def step(params: Any, *args: Any, **kw: Any) -> Any:
+        with kernel_scope(mesh, weight_axes(cfg, params), matmul_impl=matmul_impl, attn_impl=attn_impl,
+                          phase=phase, log=log):
+            return fn(params, *args, **kw)
+
+    return step
 
 
 def pool_shardings(pool: Any, mesh: Mesh) -> Any:
@@ -137,14 +145,14 @@ def pool_shardings(pool: Any, mesh: Mesh) -> Any:
     along ``tp`` when the heads divide; MLA latent pages replicated (every TP rank reads the whole latent)."""
     from phaseserve.cache.paged import GQAPages
 
-    tp = mesh.shape["tp"]
     rep = NamedSharding(mesh, PartitionSpec())
 
     def layer(lp: Any) -> Any:
-        if not isinstance(lp, GQAPages) or lp.k.shape[2] % tp or tp == 1:
+        ax = head_axis(mesh, lp.k.shape[2]) if isinstance(lp, GQAPages) else None
+        if ax is None:
             return jax.tree.map(lambda _: rep, lp)
-        heads = NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
-        scales = NamedSharding(mesh, PartitionSpec(None, None, "tp"))
+        heads = NamedSharding(mesh, PartitionSpec(None, None, ax, None))
+        scales = NamedSharding(mesh, PartitionSpec(None, None, ax))
         return lp.replace(k=heads, v=heads, k_scale=None if lp.k_scale is None else scales,
                           v_scale=None if lp.v_scale is None else scales)
 

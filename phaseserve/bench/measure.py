@@ -94,7 +94,8 @@ def build_engines(cfg: DictConfig, model_cfg: Any, params: Any, arms: list[Arm],
         t0 = time.perf_counter()
         arm_cfg = with_overrides(cfg, arm.overrides)
         serve = serve_config(arm_cfg, model_cfg)
-        eng = Engine(model_cfg, params, serve, attn_impl=str(cfg.engine.attn_impl))
+        eng = Engine(model_cfg, params, serve, attn_impl=str(cfg.engine.attn_impl),
+                     matmul_impl=str(cfg.engine.get("matmul_impl", "auto")))
         runs = 0
         for w in list(workloads) or [cfg.workload]:
             check_fits(w, eng)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from phaseserve.kernel_mesh import provenance_rows
 from phaseserve.markdown import fmt, table
 
 
@@ -42,6 +43,10 @@ def _jsonable(x: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> Path:
+    """Write ``obj`` as JSON; a result's ``environment`` block gets ``kernels``: every op the engines of this process
+    traced and the implementation each built (``phaseserve.kernel_mesh.provenance_rows``)."""
+    if isinstance(obj, dict) and isinstance(obj.get("environment"), dict):
+        obj = {**obj, "environment": {**obj["environment"], "kernels": provenance_rows()}}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")

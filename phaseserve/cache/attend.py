@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import resolve_impl
-from pallas_kernels.mla_attention import mla_decode_attention
-from pallas_kernels.paged_attention import paged_decode_attention
 from phaseserve.cache import dsa
 from phaseserve.cache.paged import GQAPages, MLAPages, take_pages, write_token_layer
+from phaseserve.kernel_mesh import mla_decode_attention, paged_decode_attention  # shard_map'd on the decode mesh
 from phaseserve.model.indexer import DSAQuery
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_mla import sparse_mla_decode_attention
 from phaseserve.cache.paged import MLAPages, dequantize_kv, take_pages
+from phaseserve.kernel_mesh import sparse_mla_decode_attention  # shard_map'd on the decode mesh
 from phaseserve.model import indexer
 from phaseserve.model.indexer import DSAQuery
 

@@ -48,7 +48,7 @@ import jax
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
-from phaseserve.engine.metrics import RunMetrics, oversized_pool
+from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_pool
 from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
 from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
 from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, prefill_pages, stop_reason
@@ -65,7 +65,7 @@ class EngineBusyError(RuntimeError):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, serve: ServeConfig | None = None, *,
-                 attn_impl: str = "auto", handoff: Any = None):
+                 attn_impl: str = "auto", matmul_impl: str = "auto", handoff: Any = None):
         self.cfg = cfg
         self.serve = serve = serve or ServeConfig()
         m, q, c = serve.mesh, serve.quant, serve.cache
@@ -87,13 +87,14 @@ class Engine:
             warnings.warn(too_big, stacklevel=2)
         self.decode = DecodeWorker(cfg, decode_params, self.decode_mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,
                                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
-                                   integrity=c.integrity, attn_impl=attn_impl)
+                                   integrity=c.integrity, attn_impl=attn_impl, matmul_impl=matmul_impl)
         self.num_pages = num_pages
         self.limits = Limits.of(cfg, serve, num_pages)
         self.prefill = PrefillWorker(cfg, prefill_params, self.prefill_mesh, kv_dtype=self.kv_dtype,
                                      prefill_kv_dtype=q.prefill_kv_dtype, max_prefill_tokens=serve.max_prefill_tokens,
                                      page_size=c.page_size, max_pages_per_seq=self.limits.max_pages,
-                                     num_pages=prefill_pages(self.limits, serve.max_prefill_tokens))
+                                     num_pages=prefill_pages(self.limits, serve.max_prefill_tokens),
+                                     attn_impl=attn_impl, matmul_impl=matmul_impl)
         self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
         self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption,
                                    prefill_tables=self.prefill.tables)
@@ -114,7 +115,8 @@ class Engine:
 
         cfg, params, serve = serve_config_from_hydra(hydra_cfg)
         engine_cfg = hydra_cfg.get("engine") or {}
-        return cls(cfg, params, serve, attn_impl=engine_cfg.get("attn_impl", "auto"))
+        return cls(cfg, params, serve, attn_impl=engine_cfg.get("attn_impl", "auto"),
+                   matmul_impl=engine_cfg.get("matmul_impl", "auto"))
 
     @property
     def pool(self):
@@ -408,10 +410,12 @@ class Engine:
     def summary(self) -> dict:
         """Run metrics (``engine.metrics``), plus prefix reuse: ``prefix_hit_rate`` (full prompt pages found cached /
         looked up), ``prefill_tokens_saved`` (prompt tokens not computed thanks to a hit) and ``prefix_deferrals``
-        (admissions put off to wait for a shared prefix being computed)."""
+        (admissions put off to wait for a shared prefix being computed); ``kernels``: which implementation each op
+        of the prefill and decode steps built, and its layout on the phase's mesh (``engine.metrics``)."""
         out = self.metrics.summary(list(self.outputs.values()), self.scheduler.lookup_pages, self.scheduler.hit_pages)
         out["prefill_tokens_saved"] = self.scheduler.hit_pages * self.serve.cache.page_size
         out["prefix_deferrals"] = self.scheduler.deferrals
+        out["kernels"] = kernel_provenance(self.prefill.kernels, self.decode.kernels)
         return out
 
     def check_invariants(self) -> None:

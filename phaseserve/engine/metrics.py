@@ -5,16 +5,22 @@ outputs of every ``generate`` / ``stream`` call in between, and as wall time the
 durations* (each call opens a timed window with :meth:`RunMetrics.begin` and closes it with
 :meth:`RunMetrics.finish`; time spent outside the calls does not count). Tokens and time are therefore always
 counted over the same calls, so ``output_tok_per_s`` of two calls is their tokens over their summed wall time.
+
+:func:`kernel_provenance` is the engine summary's ``kernels`` table: for each op of the prefill and decode steps,
+which implementation was built (Pallas kernel, XLA reference, fallback with its reason, XLA for plain weights) and
+how it was laid out on the phase's mesh (``phaseserve.kernel_mesh``).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from phaseserve.engine.request import RequestOutput
+from phaseserve.kernel_mesh import provenance_rows
 
 
 def percentiles(values: list[float], qs=(50, 95, 99)) -> dict[str, float | None]:
@@ -91,6 +97,12 @@ class RunMetrics:
             "host_fraction_of_decode": max(wall - self.prefill_time - self.decode_time, 0.0)
             / max(wall - self.prefill_time, 1e-9),
         }
+
+
+def kernel_provenance(*logs: collections.Counter) -> list[dict]:
+    """The phases' kernel logs merged into rows {phase, op, platform, impl, reason, layout, count}; ``count`` is the
+    number of traced call sites (each compiled step runs what was traced), not of executions."""
+    return provenance_rows(sum(logs, collections.Counter()))
 
 
 OVERSIZE_FACTOR = 4  # a pool this many times larger than the running requests can hold draws a warning

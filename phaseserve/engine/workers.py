@@ -18,6 +18,7 @@ servers (``phaseserve.serving``): each owns one phase's weights-on-mesh and jitt
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -34,7 +35,7 @@ from phaseserve.engine.handoff import export_pages, import_pages, pad, page_buck
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
 from phaseserve.engine.request import Request
 from phaseserve.engine.scheduler import Chunk, Sequence
-from phaseserve.sharding import pool_shardings, replicated
+from phaseserve.sharding import pool_shardings, replicated, sharded_step
 
 
 def bucket(n: int, lo: int = 1) -> int:
@@ -90,7 +91,7 @@ class PrefillWorker:
 
     def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str,
                  prefill_kv_dtype: str, max_prefill_tokens: int, page_size: int, num_pages: int,
-                 max_pages_per_seq: int):
+                 max_pages_per_seq: int, attn_impl: str = "auto", matmul_impl: str = "auto"):
         self.cfg, self.params, self.max_prefill_tokens = cfg, params, max_prefill_tokens
         self.kv_dtype, self.pool_dtype = kv_dtype, canonical_dtype(prefill_kv_dtype)
         self.num_pages, self.page_size = num_pages, page_size
@@ -100,8 +101,10 @@ class PrefillWorker:
         self.allocator = PageAllocator(num_pages)
         self.tables = PageTables(self.allocator, max_pages_per_seq)
         rep = replicated(mesh)
-        self._chunk = jax.jit(lambda p, pool, b: chunk_step(p, cfg, pool, b), out_shardings=(rep, self._pool_sharding),
-                              donate_argnums=(1,))
+        self.kernels: collections.Counter = collections.Counter()  # kernel provenance (kernel_mesh.provenance_rows)
+        self._chunk = jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b), cfg, mesh, phase="prefill",
+                                           matmul_impl=matmul_impl, attn_impl=attn_impl, log=self.kernels),
+                              out_shardings=(rep, self._pool_sharding), donate_argnums=(1,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self.sharding = rep
@@ -171,7 +174,8 @@ class DecodeWorker:
     """The decode cache and the decode weights on the decode mesh, with the jitted decode/scatter/scrub steps."""
 
     def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str, num_pages: int,
-                 page_size: int, max_pages_per_seq: int, integrity: bool, attn_impl: str = "auto"):
+                 page_size: int, max_pages_per_seq: int, integrity: bool, attn_impl: str = "auto",
+                 matmul_impl: str = "auto"):
         if num_pages < 2:
             raise ValueError(f"the KV budget gives {num_pages} pages; need at least 2 (one is the null page)")
         self.cfg, self.params, self.mesh = cfg, params, mesh
@@ -189,8 +193,10 @@ class DecodeWorker:
                         else NoopTracker(self.allocator))
         hooks = self.tracker if integrity else None
         rep = replicated(mesh)
-        self._decode = jax.jit(
-            lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl),
+        self.kernels: collections.Counter = collections.Counter()  # kernel provenance (kernel_mesh.provenance_rows)
+        self._decode = jax.jit(sharded_step(
+            lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl), cfg, mesh,
+            phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=self.kernels),
             out_shardings=(rep, self._pool_sharding, rep), donate_argnums=(1,))
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.flash_prefill import flash_prefill
 from phaseserve.config import ModelConfig, RopeConfig
+from phaseserve.kernel_mesh import flash_prefill  # shard_map'd on the prefill mesh inside the engine's step
 from phaseserve.model.params import MLPParams
 from phaseserve.qarrays import dense
 

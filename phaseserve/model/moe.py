@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from phaseserve.config import ModelConfig
+from phaseserve.kernel_mesh import matmul_kernels_requested
 from phaseserve.model.layers import mlp
 from phaseserve.model.params import MoEParams
 from phaseserve.qarrays import dequantize, grouped_dense
@@ -148,7 +149,7 @@ def choose_dispatch(num_tokens: int, cfg: ModelConfig, backend: str | None = Non
     while the assignments are at most half the experts (it reads only the chosen experts' weights),
     :func:`dense_experts` up to 16 assignments per expert (every expert's weights read once), ragged beyond.
     Thresholds from ``benchmarks/engine/profile`` (MoE layer ms on the ~15M shape, 16 experts top-2)."""
-    if (backend or jax.default_backend()) != "cpu":
+    if (backend or jax.default_backend()) != "cpu" or matmul_kernels_requested():  # matmul_impl="pallas": kernels
         return ragged_experts
     assignments = num_tokens * cfg.num_experts_per_tok
     if 2 * assignments <= cfg.num_experts:
