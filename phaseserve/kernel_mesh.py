@@ -34,8 +34,11 @@ and the ``matmul_impl`` / ``attn_impl`` switches. Outside a scope (training, tes
 the kernels directly, as before. Inside one, a call whose implementation resolves to the Pallas kernel on a mesh
 of more than one device runs under ``shard_map``; the XLA reference path is left to GSPMD (plain XLA ops
 partition). Every call is recorded (:meth:`KernelScope.trace`): op, platform, implementation (``pallas``,
-``reference``, ``fallback`` with its reason, ``xla`` for plain weights), layout; once per trace, so a count is
-the number of traced call sites, not of executions.
+``reference``, ``fallback`` with its reason, ``xla`` for plain weights), layout (``gspmd``: left to XLA;
+``shard_map tp@1``: the weight's dim 1 split over tp; ``shard_map heads@tp``: attention heads split; ``shard_map
+replicated``: whole operands on every device); once per trace, so a count is the number of traced call sites, not
+of executions. Under ``impl="pallas"`` in a CPU process the kernels are built per lowering platform, so the table
+lists the ``cuda`` and ``tpu`` bodies that were traced beside the ``default`` (interpret-mode) body that ran.
 """
 
 from __future__ import annotations
@@ -215,6 +218,7 @@ def _smap(scope: KernelScope, fn, in_specs, out_specs):
 
 
 def _label(spec: PartitionSpec) -> str:
+    """A weight's layout for the provenance table: ``"shard_map ep@0xtp@2"`` = dim 0 split over ep, dim 2 over tp."""
     return "shard_map " + ("x".join(f"{a}@{i}" for i, a in enumerate(spec) if a) or "replicated")
 
 
