@@ -36,7 +36,7 @@ from typing import Any
 
 import jax
 
-from phaseserve.cache.paged import is_scaled
+from phaseserve.cache.paged import has_index_keys, is_scaled
 from phaseserve.config import canonical_dtype
 from phaseserve.engine.request import (
     CancelledError,
@@ -86,13 +86,13 @@ class DecodeServer:
         self.page_size, self.max_batch = c.page_size, serve.max_batch
         self.endpoint = start_endpoint(spec.bind, devices[0])
         self.puller = Puller(self.endpoint, devices[0])
-        parts = 1 if self.cfg.is_mla else 2
+        # parts per layer: GQA K and V; MLA the latent, plus GLM-5's DSA index keys on layers with an indexer
+        parts = [2 if not self.cfg.is_mla or has_index_keys(self.cfg, i) else 1 for i in range(self.cfg.num_layers)]
         scaled = is_scaled(self.kv_dtype)
-        self._kv_tree = jax.tree.structure([[(0, 0 if scaled else None) for _ in range(parts)]
-                                            for _ in range(self.cfg.num_layers)])
+        self._kv_tree = jax.tree.structure([[(0, 0 if scaled else None) for _ in range(n)] for n in parts])
         # the dtype of each flat leaf of a request's KV (per layer and part: values, then the FP8 scale)
-        self._leaf_dtypes = [d for _ in range(self.cfg.num_layers * parts)
-                             for d in ([self.kv_dtype, "float32"] if scaled else [self.kv_dtype])]
+        self._leaf_dtypes = [d for _ in range(sum(parts)) for d in ([self.kv_dtype, "float32"] if scaled
+                                                                    else [self.kv_dtype])]
         self.waiting: deque[tuple[Sequence, TransferDescriptor]] = deque()
         self.pulls: dict[str, tuple[Sequence, PendingPull]] = {}
         self.running: list[Sequence] = []

@@ -1,0 +1,39 @@
+"""GLM-5 DSA across processes: a prefill server hands the prompt's FP8 latents *and* FP8 index keys to a decode
+server through the transfer layer; the tokens equal the single-process engine's (FP8 KV) for generations running
+past ``index_topk``. Children are spawned with ``JAX_PLATFORMS=cpu``; every wait has a timeout."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import phaseserve as ps
+from phaseserve.engine import Request
+from phaseserve.serving import ModelSpec, Router, ServerSpec
+from tests.e2e.engine_utils import F32, serve_config
+from tests.parity.hf_models import build, dsa_config
+
+FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize("lengths", [(6, 12)])
+def test_two_processes_carry_index_keys(tmp_path, lengths):
+    build(dsa_config(8, ["full", "shared", "full"]), tmp_path, seed=5)
+    cfg, params = ps.load_checkpoint(tmp_path, dtype="float32")
+    rng = np.random.default_rng(0)
+    reqs = [Request(id=f"d{i}", prompt=rng.integers(0, 96, n).tolist(), max_tokens=16, ignore_eos=True)
+            for i, n in enumerate(lengths)]
+    serve = serve_config("disaggregated", quant=FP8_KV, num_pages=64, max_batch=4)
+    ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve).generate(reqs)}
+    spec = ServerSpec(model=ModelSpec(checkpoint=str(tmp_path)), serve=serve, staging_ttl_s=30.0,
+                      transfer_timeout_s=240.0, compilation_cache_dir=str(Path(tmp_path) / "jax_cache"))
+    router = Router(spec, spec)
+    try:
+        outs = router.generate(reqs, timeout_s=600)
+    finally:
+        router.shutdown()
+    assert all(o.error is None and o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    assert {o.id: o.tokens for o in outs} == ref
