@@ -101,7 +101,9 @@ def regime(curve: dict[int, float], min_gain: float = 1.5) -> dict[str, Any]:
     return {"t1_s": t1, "slope_s_per_row": slope, "ridge_batch": t1 / slope if slope > 0 else None,
             "flat_until": max(flat) if flat else None, "doubling_gain": gains,
             "t_ratio": {b: curve[b] / t1 for b in bs},
-            "bound": ("bandwidth-bound up to B=" + str(max(flat))) if flat else "linear in the batch (no flat region)"}
+            "cheap_doublings": flat,
+            "bound": (f"a 2x batch buys >= {min_gain:g}x tokens/s at B = {flat}" if flat
+                      else f"no batch where a 2x batch buys {min_gain:g}x (linear in the batch)")}
 
 
 def choose(curves: list[dict], min_gain: float = 1.5, min_batch: int = 4) -> dict | None:
@@ -463,6 +465,11 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
                                 rows), ""]
     gains = [[arm] + [f"{r['doubling_gain'][b]:.2f}" for b in bs if b in r["doubling_gain"]]
              for arm, r in summary["regimes"].items()]
+    spread = {arm: max(by[b]["step_s"]["median"] / by[b]["step_min_s"]["min"] for b in bs) for arm, by in agg.items()}
+    lines += [f"Noise: the median step is up to {max(spread.values()):.1f}x the fastest step of its point "
+              f"(median over curves {float(np.median(list(spread.values()))):.1f}x) at a load of "
+              f"{rp.spread(summary['load'])} on {env.get('cpu_cores')} cores; a doubling gain below 1 is that noise, "
+              "not the step getting cheaper with more rows.", ""]
     lines += ["### Doubling gain by batch (fastest steps)", "", rp.markdown_table(
         ["model / weights"] + [f"{b}->{2 * b}" for b in bs if 2 * b in bs], gains), ""]
     lines += ["## Operating point (the rule; kv_dtype applies it before measuring)", "",
@@ -493,8 +500,8 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
 # ---- applying the rule to another experiment ------------------------------------------------------------------------
 def apply_operating_point(cfg: DictConfig, path: str | Path = CURVE) -> tuple[DictConfig, dict]:
     """``cfg`` moved to the operating point :func:`choose` picks on the committed curve: that model and weights,
-    the BF16 KV budget for ``B`` requests, offered concurrency ``[B, 2B]`` (each dtype's peak); and the record of the choice (rule,
-    curve, prediction), written into the results before anything is measured."""
+    the BF16 KV budget for ``B`` requests, offered concurrency ``[B, 2B]`` (each dtype's peak); and the record of
+    the choice (rule, curve, prediction), written into the results before anything is measured."""
     res = load_curves(path)
     s = res["settings"]
     choice = choose(cpu_curves(res), s["min_gain"], s["min_batch"])

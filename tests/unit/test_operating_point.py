@@ -40,7 +40,7 @@ def test_flat_then_linear_picks_the_last_batch_whose_doubling_stays_cheap():
     r = op.regime(curve, 1.4)
     assert r["flat_until"] == 8
     assert r["ridge_batch"] == pytest.approx(12.0, rel=0.05)  # t(1) / slope of the linear tail
-    assert r["bound"].startswith("bandwidth-bound")
+    assert r["cheap_doublings"] == [1, 2, 4, 8] and "at B = [1, 2, 4, 8]" in r["bound"]
 
 
 def test_linear_everywhere_has_no_operating_point():
@@ -49,7 +49,7 @@ def test_linear_everywhere_has_no_operating_point():
     assert all(g == pytest.approx(1.0, rel=0.03) for g in op.doubling_gains(curve).values())
     assert op.choose([entry("m", 10, curve)], min_gain=1.5, min_batch=4) is None
     r = op.regime(curve, 1.5)
-    assert r["flat_until"] is None and r["bound"].startswith("linear")
+    assert r["flat_until"] is None and r["cheap_doublings"] == [] and r["bound"].startswith("no batch")
     assert r["ridge_batch"] == pytest.approx(1.0, rel=0.05)
 
 
