@@ -11,8 +11,8 @@ leaves with logical axes) turned into ``jax.ShapeDtypeStruct``s carrying ``Named
 :func:`shardings_for`. Orbax reads each device's shard directly into place, so a checkpoint written from one
 mesh restores onto any other without materialising the full array on one device.
 
-:func:`shardings_for` is deliberately small (the engine's ``sharding.py`` owns the real rules): logical axis
--> mesh axis by a rules dict, a dimension stays unsharded when the mesh axis does not divide it (e.g. the
+:func:`shardings_for` reads the engine's rules table (``phaseserve.kernel_mesh.DEFAULT_RULES``: logical axis
+-> mesh axis), applied per stored array: a dimension stays unsharded when the mesh axis does not divide it (e.g. the
 ``K/G`` rows of a scale) or the mesh axis is already used by an earlier dimension.
 """
 
@@ -29,16 +29,12 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.kernel_mesh import DEFAULT_RULES
 from phaseserve.model.params import is_info
 from phaseserve.quant.policy import QuantPolicy, resolve_policy
 from phaseserve.quant.quantize import abstract_quantized
 
 META_FILE = "phaseserve_quant.json"
-# Logical axis -> mesh axis; MLA latents (kv_lora, q_lora) and norms stay replicated, as deployments do.
-DEFAULT_RULES: dict[str, str | None] = {
-    "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp", "expert_mlp": "tp", "experts": "ep",
-    "embed": None, "kv_lora": None, "q_lora": None, "head_dim": None, "norm": None,
-}
 
 
 def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices: list | None = None) -> Mesh:
@@ -52,8 +48,9 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices: list | No
 
 def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh: Mesh,
              rules: dict[str, str | None] | None = None) -> PartitionSpec:
-    """PartitionSpec of one array from its logical axes (unshardable dimensions stay replicated)."""
-    rules = DEFAULT_RULES if rules is None else rules
+    """PartitionSpec of one array from its logical axes (unshardable dimensions stay replicated); ``rules`` default
+    to the engine's one table, :data:`phaseserve.kernel_mesh.DEFAULT_RULES`."""
+    rules = dict(DEFAULT_RULES if rules is None else rules)
     used: set[str] = set()
     spec = []
     for dim, ax in zip(shape, axes, strict=True):
