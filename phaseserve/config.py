@@ -451,12 +451,14 @@ def _moe_layers(hf: dict, family: str, n_layers: int) -> tuple[bool, ...]:
 
 def _indexer_types(hf: dict, n_layers: int) -> tuple[str, ...]:
     """GLM-5's per-layer DSA indexer mode, as transformers' ``GlmMoeDsaConfig`` derives it: ``indexer_types``, else
-    the ``index_topk_pattern`` ("FSSF..."), else every ``index_topk_freq``-th layer from ``index_skip_topk_offset``."""
+    the ``index_topk_pattern`` ("FSSF..."), else every ``index_topk_freq``-th layer from ``index_skip_topk_offset``;
+    a list longer than the layers (a config cut to fewer layers) is cut with them."""
     if hf.get("indexer_types"):
-        return tuple(hf["indexer_types"])
+        return tuple(hf["indexer_types"])[:n_layers]
     pattern = hf.get("index_topk_pattern")
     if pattern is not None:
-        return tuple({"F": "full", "S": "shared"}[c] for c in pattern) if isinstance(pattern, str) else tuple(pattern)
+        return tuple({"F": "full", "S": "shared"}[c] for c in pattern[:n_layers]) if isinstance(pattern, str) \
+            else tuple(pattern)[:n_layers]
     freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers))
 

@@ -52,3 +52,17 @@ def test_blockwise_selection_equals_dense_topk():
     assert sel.shape == (1, t, CFG.index_topk)
     for i in range(CFG.index_topk, t):  # queries with more visible keys than index_topk
         assert set(sel[0, i]) == set(dense[0, i])
+
+
+def test_indexer_types_follow_transformers_config():
+    """``indexer_types`` as transformers' ``GlmMoeDsaConfig`` derives it (freq/offset schedule and "FS" pattern),
+    and cut with the layers when a config is cut to fewer layers."""
+    import transformers as T
+
+    base = dict(preset("glm-5"), num_hidden_layers=7)
+    for kw in ({"index_topk_freq": 2, "index_skip_topk_offset": 2}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+               {"index_topk_pattern": "FSSFSFF"}, {}):
+        ref = T.GlmMoeDsaConfig(num_hidden_layers=7, **kw).indexer_types
+        assert list(ModelConfig.from_hf_config({**base, **kw}).indexer_types) == ref, kw
+    cut = ModelConfig.from_hf_config({**base, "num_hidden_layers": 3, "indexer_types": ["full", "shared"] * 39})
+    assert cut.indexer_types == ("full", "shared", "full")
