@@ -47,7 +47,7 @@ from omegaconf import OmegaConf
 
 from phaseserve.bench.measure import environment
 from phaseserve.cache.integrity import IntegrityTracker, check_tags
-from phaseserve.cache.paged import init_pool
+from phaseserve.cache.paged import as_stored, init_pool
 from phaseserve.config import ModelConfig
 from phaseserve.config_hydra import repo_path
 from phaseserve.engine.decode import DecodeBatch, decode_step
@@ -121,8 +121,9 @@ def setup(cfg: ModelConfig, batch: int, *, context: int = 160, page_size: int = 
     pool = init_pool(cfg, num_pages, page_size, kv_dtype)
     leaves, tree = jax.tree.flatten(pool)
     keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
-    leaves = [(jax.random.normal(k, x.shape) * 0.5 + (1.0 if x.ndim <= 3 and kv_dtype.startswith("float8") else 0.0)
-               ).astype(x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    leaves = [as_stored(jax.random.normal(k, x.shape) * 0.5
+                        + (1.0 if x.ndim <= 3 and kv_dtype.startswith("float8") else 0.0), x.dtype)
+              for k, x in zip(keys, leaves, strict=True)]
     pool = jax.tree.unflatten(tree, leaves)
     rng = np.random.default_rng(seed)
     pages = rng.permutation(np.arange(1, num_pages))[: batch * per_row].reshape(batch, per_row).astype(np.int32)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import resolve_impl
 from phaseserve.cache import dsa
-from phaseserve.cache.paged import GQAPages, MLAPages, take_pages, write_token_layer
+from phaseserve.cache.paged import GQAPages, MLAPages, as_values, take_pages, write_token_layer
 from phaseserve.kernel_mesh import mla_decode_attention, paged_decode_attention  # shard_map'd on the decode mesh
 from phaseserve.model.indexer import DSAQuery
 
@@ -65,6 +65,8 @@ class PagedAttend:
             narrow = any(a.dtype.itemsize < 4 for a in jax.tree.leaves(pages))
             if narrow and resolve_impl(self.impl) == "reference":  # see rows_view
                 read, pt = rows_view(pages, pt)
+            else:  # raw-bit pages (XLA:CPU, paged.storage_dtype) as values for the kernels
+                read = jax.tree.map(as_values, pages)
             if isinstance(q, DSAQuery):
                 o, self.selection = dsa.sparse_attend(read, pt, lengths, q, self.selection, sm_scale=self.sm_scale,
                                                       impl=self.impl)
@@ -83,9 +85,10 @@ class PagedAttend:
 
 def rows_view(pages: GQAPages | MLAPages, page_table: jax.Array) -> tuple[GQAPages | MLAPages, jax.Array]:
     """The batch's own pages, gathered on their raw bits, and the identity table over them: ``[B*P, S, ...]`` per
-    array and i32[B, P]. The reference attention gathers ``pages[page_table]``, which XLA:CPU does for FP8 by
-    converting the *whole* pool to f16 first; gathering the rows' pages here keeps the step's cost in the pages the
-    batch reads, not in the pool's size. page_table i32[B, P] (entries clipped into range, as the kernels do)."""
+    array and i32[B, P]. The reference attention gathers ``pages[page_table]`` from value arrays, and a raw-bit
+    pool (``paged.storage_dtype``) seen as values is a pool-sized copy on XLA:CPU; gathering the rows' raw pages
+    here keeps the step's cost in the pages the batch reads, not in the pool's size. page_table i32[B, P] (entries
+    clipped into range, as the kernels do)."""
     b, p = page_table.shape
     view = jax.tree.map(lambda a: take_pages(a, page_table).reshape(b * p, *a.shape[1:]), pages)
     return view, jnp.arange(b * p, dtype=jnp.int32).reshape(b, p)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from phaseserve.cache.allocator import PageTables
 from phaseserve.cache.attend import PagedAttend
-from phaseserve.cache.paged import MLAPages, PagePool
+from phaseserve.cache.paged import MLAPages, PagePool, as_stored
 
 
 class FaultInjector:
@@ -112,11 +112,12 @@ class FaultInjector:
         if target == "data":
             arr = lay.latent if mla else lay.k
             idx = (page, slot, 0) if mla else (page, slot, 0, 0)
-            new = arr.at[idx].set(jnp.asarray(value, jnp.float32).astype(arr.dtype))
+            new = arr.at[idx].set(as_stored(jnp.asarray(value, jnp.float32), arr.dtype))  # raw bits on XLA:CPU
             lay = lay.replace(latent=new) if mla else lay.replace(k=new)
         elif target in ("index", "index_scale") and mla and getattr(lay, target) is not None:
             arr = getattr(lay, target)
-            new = (arr.at[page, slot, 0].set(value) if target == "index" else arr.at[page, slot].set(value))
+            new = (arr.at[page, slot, 0].set(as_stored(jnp.asarray(value, jnp.float32), arr.dtype))
+                   if target == "index" else arr.at[page, slot].set(value))
             lay = lay.replace(**{target: new})
         elif target == "scale":
             arr = lay.scale if mla else lay.k_scale

@@ -18,6 +18,8 @@ per token and head (per token for the MLA latent): ``scale = max(absmax / 448, 1
 all-zero token -- and dequantized on read as ``q * scale``. Finite input never produces NaN: values are clipped to
 +-448 before the cast. Writes drop (write nothing) for masked rows, positions past the page table, and page ids
 outside ``[1, N)``: the null page is never written, so padding rows always read finite zeros.
+On XLA:CPU the BF16 and FP8 arrays hold their raw bits (uint16, uint8; :func:`storage_dtype`) so that a write
+updates the pool in place; :func:`take_pages`, :func:`gather_layer` and :func:`as_values` give values back.
 
 Memory accounting for the planner and the benchmarks: :func:`kv_bytes_per_token`, :func:`kv_bytes_per_page`,
 :func:`pages_for_budget` (scale bytes included). On GLM-5 every layer with its own DSA indexer also keeps one
@@ -104,7 +106,7 @@ def dequantize_kv(q: jax.Array, scale: jax.Array | None, dtype: Any = jnp.float3
 def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype: str = "float8_e4m3fn") -> PagePool:
     """A zeroed pool (scales 1) of ``num_pages`` pages, page 0 being the null page."""
     kv_dtype = canonical_dtype(kv_dtype)
-    dt = to_dtype(kv_dtype)
+    dt = storage_dtype(kv_dtype)
     scaled = is_scaled(kv_dtype)
     n, s = num_pages, page_size
     layers = []
@@ -163,30 +165,55 @@ def slot_indices(page_table: jax.Array, positions: jax.Array, valid: jax.Array, 
     return jnp.where(ok, page * page_size + positions % page_size, num_pages * page_size)
 
 
+def storage_dtype(kv_dtype: str, backend: str | None = None) -> jnp.dtype:
+    """The dtype of a pool's value arrays for ``kv_dtype``: the dtype itself, except BF16 and FP8 on XLA:CPU
+    (``backend``, default JAX's), which are held as their raw bits (uint16, uint8). XLA:CPU has no BF16/FP8 scatter
+    (it converts the whole array to f16/f32 and back) and materializes every bitcast-convert, so a write into such
+    a pool cost two pool-sized copies per array and layer; a raw-bit array is scattered in place. Readers get
+    values back with :func:`as_values` on the rows they gathered."""
+    dt = jnp.dtype(to_dtype(kv_dtype))
+    if dt.itemsize >= 4 or (backend or jax.default_backend()) != "cpu":
+        return dt
+    return jnp.dtype(f"uint{8 * dt.itemsize}")
+
+
+_RAW_VALUES = {1: jnp.dtype(jnp.float8_e4m3fn), 2: jnp.dtype(jnp.bfloat16)}  # raw-bit itemsize -> values
+
+
+def value_dtype(dtype: Any) -> jnp.dtype:
+    """The dtype of the values a pool array of ``dtype`` holds (raw uint8 / uint16 bits: FP8 / BF16)."""
+    dtype = jnp.dtype(dtype)
+    return _RAW_VALUES[dtype.itemsize] if jnp.issubdtype(dtype, jnp.unsignedinteger) else dtype
+
+
+def as_values(a: jax.Array) -> jax.Array:
+    """A pool array (or rows gathered from one) as values: raw bits reinterpreted, others unchanged. On a whole
+    pool array this is a pool-sized copy on XLA:CPU: gather the rows first (:func:`take_pages`)."""
+    vd = value_dtype(a.dtype)
+    return a if vd == a.dtype else jax.lax.bitcast_convert_type(a, vd)
+
+
+def as_stored(x: jax.Array, dtype: Any) -> jax.Array:
+    """Values ``x`` in a pool array's ``dtype``: cast to its value dtype, then to raw bits where it holds them."""
+    dtype = jnp.dtype(dtype)
+    x = x.astype(value_dtype(dtype))
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def _scatter_bits(data: jax.Array, flat: jax.Array, values: jax.Array) -> jax.Array:
-    """``data.at[flat].set(values, mode="drop")`` on the raw bits for sub-32-bit storage: XLA:CPU has no FP8 (or
-    BF16) scatter and would convert the *whole* pool to f16 and back every step; an unsigned-integer scatter of the
-    same width writes in place. One row (n == 1) gets a second, dropped row: XLA turns a one-index scatter into a
-    dynamic-update-slice that copies the whole array. data [M, ...], flat i32[n], values [n, ...] in data's dtype."""
+    """``data.at[flat].set(values, mode="drop")`` in place (raw-bit arrays: see :func:`storage_dtype`). One row
+    (n == 1) gets a second, dropped row: XLA turns a one-index scatter into a dynamic-update-slice that copies the
+    whole array. data [M, ...], flat i32[n], values [n, ...] (values, cast to data's value dtype)."""
     if flat.shape[0] == 1:
         flat = jnp.concatenate([flat, jnp.full((1,), data.shape[0], flat.dtype)])
         values = jnp.concatenate([values, values])
-    if data.dtype.itemsize >= 4:
-        return data.at[flat].set(values, mode="drop")
-    bits = jnp.dtype(f"uint{8 * data.dtype.itemsize}")
-    raw = jax.lax.bitcast_convert_type(data, bits).at[flat].set(jax.lax.bitcast_convert_type(values, bits),
-                                                                mode="drop")
-    return jax.lax.bitcast_convert_type(raw, data.dtype)
+    return data.at[flat].set(as_stored(values, data.dtype), mode="drop")
 
 
 def take_pages(data: jax.Array, page_table: jax.Array) -> jax.Array:
-    """``data[clip(page_table)]`` gathered on the raw bits for sub-32-bit storage (no whole-pool conversion on
-    XLA:CPU, see :func:`_scatter_bits`): data [N, S, ...], page_table i32[B, P] -> [B, P, S, ...]."""
-    pt = jnp.clip(page_table, 0, data.shape[0] - 1)
-    if data.dtype.itemsize >= 4:
-        return data[pt]
-    bits = jnp.dtype(f"uint{8 * data.dtype.itemsize}")
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(data, bits)[pt], data.dtype)
+    """``data[clip(page_table)]`` as values (raw bits reinterpreted after the gather, never the whole pool):
+    data [N, S, ...], page_table i32[B, P] -> [B, P, S, ...]."""
+    return as_values(data[jnp.clip(page_table, 0, data.shape[0] - 1)])
 
 
 def write_prequantized(layer: GQAPages | MLAPages, parts: list[tuple[jax.Array, jax.Array | None]],
@@ -203,10 +230,9 @@ def write_prequantized(layer: GQAPages | MLAPages, parts: list[tuple[jax.Array, 
     out = []
     for (data, scale), (q, sc) in zip(_pairs(layer), parts, strict=True):
         tail = data.shape[2:]
-        data = _scatter_bits(data.reshape(n * s, *tail), flat, q.reshape(-1, *tail).astype(data.dtype)
-                             ).reshape(data.shape)
+        data = _scatter_bits(data.reshape(n * s, *tail), flat, q.reshape(-1, *tail)).reshape(data.shape)
         if scale is not None:
-            scale = scale.reshape(n * s, *tail[:-1]).at[flat].set(sc.reshape(-1, *tail[:-1]), mode="drop")
+            scale = _scatter_bits(scale.reshape(n * s, *tail[:-1]), flat, sc.reshape(-1, *tail[:-1]))
             scale = scale.reshape(data.shape[:-1])
         out.append((data, scale))
     return _rebuild(layer, out)
@@ -219,7 +245,8 @@ def write_layer(layer: GQAPages | MLAPages, kv: Any, page_table: jax.Array, posi
     kv: GQA ``(k, v)`` each [B, T, KV, hd], or the MLA latent [B, T, W]; page_table i32[B, P];
     positions i32[B, T] (sequence position of each token); valid bool[B, T] (False: write nothing).
     """
-    parts = [quantize_kv(x, data.dtype) for (data, _), x in zip(_pairs(layer), _values(layer, kv), strict=True)]
+    parts = [quantize_kv(x, value_dtype(data.dtype))
+             for (data, _), x in zip(_pairs(layer), _values(layer, kv), strict=True)]
     return write_prequantized(layer, parts, page_table, positions, valid)
 
 
@@ -284,7 +311,7 @@ def gather_layer(layer: GQAPages | MLAPages, page_table: jax.Array, dtype: Any =
         n, s = data.shape[:2]
         pt = jnp.clip(page_table, 0, n - 1)
         b, p = pt.shape
-        d = data[pt].reshape(b, p * s, *data.shape[2:])
+        d = as_values(data[pt]).reshape(b, p * s, *data.shape[2:])
         sc = None if scale is None else scale[pt].reshape(b, p * s, *scale.shape[2:])
         out.append(dequantize_kv(d, sc, dtype))
     return out[0] if len(out) == 1 else tuple(out)

@@ -12,13 +12,12 @@ Dispatch (how the routed tokens reach their experts), one function per strategy,
 :func:`auto_experts` (serving, the default) picks one of the exact ones by token count and backend
 (:func:`choose_dispatch`):
 
-- :func:`ragged_experts` (accelerators; large batches on the CPU): the N*k (token, expert) assignments are sorted
-  by expert and run through one ragged (grouped) matmul per projection (``qarrays.grouped_dense``, i.e.
-  ``jax.lax.ragged_dot`` or the INT4 grouped kernel), then scattered back weighted; exact.
-- :func:`gathered_experts` (few tokens per expert on the CPU): each assignment gathers its expert's weights for a
-  batched dense matmul; exact.
-- :func:`dense_experts`: every expert on every token, combined with the routing weights; exact, and fast on a CPU
-  where ``ragged_dot`` is slow (training; moderate decode batches).
+- :func:`ragged_experts` (accelerators): the N*k (token, expert) assignments are sorted by expert and run through
+  one ragged (grouped) matmul per projection (``qarrays.grouped_dense``, i.e. ``jax.lax.ragged_dot`` or the INT4
+  grouped kernel), then scattered back weighted; exact.
+- :func:`blocked_experts` (the CPU, every token count): the sorted assignments in fixed-size blocks of one expert
+  each, a loop over the used blocks running one dense FFN per block; exact.
+- :func:`dense_experts`: every expert on every token, combined with the routing weights; exact (training).
 - :func:`capacity_experts` (training): each expert takes at most ``ceil(factor * N * k / E)`` assignments into a
   fixed [E, C, D] buffer for one batched matmul; the overflow is dropped.
 
@@ -82,20 +81,56 @@ def ragged_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Ar
     return jax.ops.segment_sum(ys, token, num_segments=n).astype(x.dtype), jnp.float32(0)
 
 
-def gathered_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
-                     ) -> tuple[jax.Array, jax.Array]:
-    """Few tokens per expert (decode): each (token, expert) assignment gathers its expert's weights (quantized
-    leaves gathered first, then expanded) for one batched dense matmul per projection; exact.
-    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
+def block_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows per block of :func:`blocked_experts`: twice the mean assignments per expert, as a power of two in
+    [4, 128] (small blocks waste little padding at decode; 128 rows keep prefill's matmuls efficient)."""
+    mean = max(1.0, num_assignments / num_experts)
+    return int(min(128, max(4, 2 * 2 ** int(np.ceil(np.log2(mean))))))
+
+
+def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Sorted blocks (the CPU's dispatch at every token count): the N*k assignments are sorted by expert and laid
+    out in blocks of ``bt`` rows (:func:`block_rows`), each block holding one expert's assignments (zero rows pad
+    an expert's last block); a loop over the *used* blocks only (a dynamic trip count) runs one dense
+    ``[bt, D] x [D, F]`` FFN per block with that expert's weights (quantized leaves indexed, then expanded).
+    FLOPs stay within ``bt`` rows per expert of the assignments' own; no expert's weights are copied for
+    every assignment, and no expert runs on tokens that did not choose it; exact.
+
+    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0).
+
+        assignments sorted by expert:  e0 e0 e0 | e1 | e3 e3 e3 e3 e3      (bt = 4)
+        blocks:                        [e0 e0 e0 0] [e1 0 0 0] [e3 e3 e3 e3] [e3 0 0 0] [unused ...]
+    """
     n, k = idx.shape
-    flat = idx.reshape(-1)  # [N*k]
-    w_gate, w_up, w_down = (dequantize(jax.tree.map(lambda a: a[flat], w), x.dtype)  # [N*k, D, F] / [N*k, F, D]
-                            for w in (p.w_gate, p.w_up, p.w_down))
-    xs = jnp.repeat(x, k, axis=0)  # [N*k, D]
+    e, m, d = cfg.num_experts, n * k, x.shape[1]
+    bt = block_rows(m, e)
+    nb = m // bt + e  # static bound on the blocks used: sum_e ceil(c_e / bt) <= m // bt + e
+    flat = idx.reshape(-1)  # [m]
+    order = jnp.argsort(flat, stable=True)  # sorted position -> assignment
+    counts = jnp.bincount(flat, length=e)  # [E]
+    start = jnp.cumsum(counts) - counts  # first sorted position of each expert
+    blocks = (counts + bt - 1) // bt
+    blk_end = jnp.cumsum(blocks)
+    blk_start = blk_end - blocks  # first block of each expert
+    blk_expert = jnp.minimum(jnp.searchsorted(blk_end, jnp.arange(nb), side="right"), e - 1)  # i32[nb]
+    row_expert = jnp.repeat(blk_expert, bt)  # [nb * bt]
+    within = jnp.arange(nb * bt) - blk_start[row_expert] * bt
+    src = jnp.where(within < counts[row_expert], start[row_expert] + within, m)  # sorted position, m: padding
+    token = jnp.concatenate([order // k, jnp.array([n], order.dtype)])[src]  # token of each row, n: zero row
+    buf = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[token]  # [nb * bt, D]
     mm = dict(preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(jnp.einsum("md,mdf->mf", xs, w_gate, **mm)) * jnp.einsum("md,mdf->mf", xs, w_up, **mm))
-    y = jnp.einsum("mf,mfd->md", h.astype(x.dtype), w_down, **mm).reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype), jnp.float32(0)
+
+    def block(j, out):
+        w_gate, w_up, w_down = (dequantize(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+            a, blk_expert[j], keepdims=False), w), x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
+        xb = jax.lax.dynamic_slice_in_dim(buf, j * bt, bt)  # [bt, D]
+        h = jax.nn.silu(jnp.dot(xb, w_gate, **mm)) * jnp.dot(xb, w_up, **mm)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.dot(h.astype(x.dtype), w_down, **mm), j * bt, 0)
+
+    y = jax.lax.fori_loop(0, blk_end[-1], block, jnp.zeros((nb * bt, d), jnp.float32))
+    rows = blk_start[flat] * bt + jnp.argsort(order) - start[flat]  # each assignment's row in the blocks
+    return jnp.einsum("nkd,nk->nd", y[rows].reshape(n, k, d), weights).astype(x.dtype), jnp.float32(0)
 
 
 def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -144,19 +179,13 @@ Dispatch = Callable[[MoEParams, ModelConfig, jax.Array, jax.Array, jax.Array], t
 def choose_dispatch(num_tokens: int, cfg: ModelConfig, backend: str | None = None) -> Dispatch:
     """The exact dispatch for ``num_tokens`` routed tokens on ``backend`` (default: JAX's).
 
-    Accelerators: :func:`ragged_experts` (the grouped kernels: ``ragged_dot``, the INT4 grouped kernel). XLA:CPU,
-    where ``ragged_dot`` copies every expert's weights and runs slowly at decode shapes: :func:`gathered_experts`
-    while the assignments are at most half the experts (it reads only the chosen experts' weights),
-    :func:`dense_experts` up to 16 assignments per expert (every expert's weights read once), ragged beyond.
-    Thresholds from ``benchmarks/engine/profile`` (MoE layer ms on the ~15M shape, 16 experts top-2)."""
+    Accelerators (or the Pallas matmul kernels requested): :func:`ragged_experts` (the grouped kernels:
+    ``ragged_dot``, the INT4 grouped kernel). XLA:CPU, where ``ragged_dot`` copies every expert's weights and runs
+    ~10x slower than :func:`blocked_experts` at prefill and decode shapes: :func:`blocked_experts` (MoE layer ms on
+    the ~15M shape in ``benchmarks/engine/profile``)."""
     if (backend or jax.default_backend()) != "cpu" or matmul_kernels_requested():  # matmul_impl="pallas": kernels
         return ragged_experts
-    assignments = num_tokens * cfg.num_experts_per_tok
-    if 2 * assignments <= cfg.num_experts:
-        return gathered_experts
-    if assignments <= 16 * cfg.num_experts:
-        return dense_experts
-    return ragged_experts
+    return blocked_experts
 
 
 def auto_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,

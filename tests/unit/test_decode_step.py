@@ -1,7 +1,7 @@
-"""The decode step's cost paths: expert dispatch choice (gathered = ragged = dense, plain and quantized), the
-compiled step holding no pool-sized copy or conversion for any KV dtype (HLO check), the rows' page view the CPU
-attention reads through (same output as the whole pool, integrity-masked and out-of-range rows included), and
-greedy sampling skipping the sort."""
+"""The decode step's cost paths: expert dispatch choice (blocked = ragged = dense, plain and quantized, skewed
+routing), the compiled step holding no pool-sized copy or conversion for any KV dtype (HLO check), the rows' page
+view the CPU attention reads through (same output as the whole pool, integrity-masked and out-of-range rows
+included), and greedy sampling skipping the sort."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pallas_kernels.mla_attention import mla_decode_attention
 from pallas_kernels.paged_attention import paged_decode_attention
 from phaseserve.cache.attend import PagedAttend, rows_view
 from phaseserve.cache.integrity import IntegrityTracker
-from phaseserve.cache.paged import init_pool
+from phaseserve.cache.paged import as_stored, as_values, init_pool
 from phaseserve.config import ModelConfig
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.sampling import _draw, sample
@@ -41,30 +41,42 @@ def _moe_inputs(cfg, n, seed):
     return p, x, w, idx
 
 
-@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("n", [1, 3, 16, 300])
 def test_dispatches_agree(n):
     p, x, w, idx = _moe_inputs(MLA, n, seed=n)
     ref = M.ragged_experts(p, MLA, x, w, idx)[0]
-    for d in (M.gathered_experts, M.dense_experts, M.auto_experts):
+    for d in (M.blocked_experts, M.dense_experts, M.auto_experts):
         np.testing.assert_allclose(d(p, MLA, x, w, idx)[0], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_gathered_experts_int4_weights():
+@pytest.mark.parametrize("n", [5, 70, 300])
+def test_blocked_experts_skewed_routing(n):
+    """One expert takes most assignments (several blocks of it, the bound on blocks reached), others none."""
+    p, x, w, _ = _moe_inputs(MLA, n, seed=n + 1)
+    rng = np.random.default_rng(n)
+    idx = np.stack([np.zeros(n, np.int32), rng.choice([3, 5], n).astype(np.int32)], axis=1)
+    idx[::7, 0] = 6
+    idx = jnp.asarray(idx)
+    np.testing.assert_allclose(M.blocked_experts(p, MLA, x, w, idx)[0], M.dense_experts(p, MLA, x, w, idx)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_experts_int4_weights():
     p, x, w, idx = _moe_inputs(MLA, 2, seed=7)
     q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
-    np.testing.assert_allclose(M.gathered_experts(q, MLA, x, w, idx)[0], M.dense_experts(q, MLA, x, w, idx)[0],
+    np.testing.assert_allclose(M.blocked_experts(q, MLA, x, w, idx)[0], M.dense_experts(q, MLA, x, w, idx)[0],
                                rtol=1e-5, atol=1e-5)
     # the quantized weights are really used: the result differs from the float weights'
-    assert not np.allclose(M.gathered_experts(q, MLA, x, w, idx)[0], M.gathered_experts(p, MLA, x, w, idx)[0],
+    assert not np.allclose(M.blocked_experts(q, MLA, x, w, idx)[0], M.blocked_experts(p, MLA, x, w, idx)[0],
                            atol=1e-6)
 
 
 def test_choose_dispatch():
-    assert M.choose_dispatch(1, MLA, "cpu") is M.gathered_experts  # 2 assignments, 8 experts
-    assert M.choose_dispatch(8, MLA, "cpu") is M.dense_experts
-    assert M.choose_dispatch(4096, MLA, "cpu") is M.ragged_experts
+    for n in (1, 8, 4096):
+        assert M.choose_dispatch(n, MLA, "cpu") is M.blocked_experts
     assert M.choose_dispatch(1, MLA, "gpu") is M.ragged_experts
     assert M.choose_dispatch(1, MLA, "tpu") is M.ragged_experts
+    assert [M.block_rows(m, 16) for m in (2, 64, 8192)] == [4, 8, 128]
 
 
 def _batch(cfg, b, pages_per_row, num_pages, rng):
@@ -79,8 +91,8 @@ def _random_pool(cfg, num_pages, kv, seed):
     pool = init_pool(cfg, num_pages, S, kv)
     leaves, tree = jax.tree.flatten(pool)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(tree, [(jax.random.uniform(k, x.shape, minval=0.5, maxval=1.5)
-                                      * jnp.where(jax.random.bernoulli(k, 0.5, x.shape), 1, -1)).astype(x.dtype)
+    return jax.tree.unflatten(tree, [as_stored(jax.random.uniform(k, x.shape, minval=0.5, maxval=1.5)
+                                               * jnp.where(jax.random.bernoulli(k, 0.5, x.shape), 1, -1), x.dtype)
                                      for k, x in zip(keys, leaves, strict=True)])
 
 
@@ -109,23 +121,18 @@ def _step_hlo(cfg, kv, b=3):
     return hlo, pool, {int(np.prod(x.shape)) for x in jax.tree.leaves(pool)}
 
 
-@pytest.mark.parametrize("cfg,b", [(MLA, 1), (GQA, 1), (MLA, 3)], ids=["mla-b1", "gqa-b1", "mla-b3"])
-def test_step_hlo_has_no_pool_sized_copy_float32(cfg, b):
-    """Batch 1 included: a one-row scatter became a dynamic-update-slice with whole-pool copies."""
-    hlo, pool, elements = _step_hlo(cfg, "float32", b)
+@pytest.mark.parametrize("cfg,kv,b", [(MLA, "float32", 1), (GQA, "float32", 1), (MLA, "float32", 3),
+                                      (MLA, "float8_e4m3fn", 1), (MLA, "float8_e4m3fn", 3), (GQA, "bfloat16", 3)],
+                         ids=["mla-f32-b1", "gqa-f32-b1", "mla-f32-b3", "mla-fp8-b1", "mla-fp8-b3", "gqa-bf16-b3"])
+def test_step_hlo_has_no_pool_sized_copy(cfg, kv, b):
+    """No pool-sized ``copy``, ``convert`` or ``bitcast-convert`` anywhere in the compiled step, and every pool
+    array updated in place (aliased input -> output). Batch 1 included: a one-row scatter became a
+    dynamic-update-slice with whole-pool copies; FP8/BF16 pools held as FP8/BF16 on XLA:CPU were converted to f16
+    (scatter) or materialized as raw bits (bitcast-convert) in full at every layer write."""
+    hlo, pool, elements = _step_hlo(cfg, kv, b)
     assert pool_sized_ops(hlo, elements) == []
-    # every pool array is updated in place: aliased input -> output
     aliases = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*\w+=", hlo)
     assert aliases is not None and aliases.group(1).count("may-alias") >= len(jax.tree.leaves(pool))
-
-
-@pytest.mark.parametrize("cfg,kv", [(MLA, "float8_e4m3fn"), (GQA, "bfloat16")], ids=["mla-fp8", "gqa-bf16"])
-def test_step_hlo_has_no_pool_sized_conversion(cfg, kv):
-    """No pool-sized ``convert`` (the f16 round trip XLA:CPU made of FP8/BF16 scatters and gathers) or ``copy``.
-    Not yet gone on XLA:CPU: a pool-sized ``bitcast-convert`` per written array (the raw-bits view the scatter
-    writes is materialized by a loop fusion), see benchmarks/engine/profile."""
-    hlo, _, elements = _step_hlo(cfg, kv)
-    assert pool_sized_ops(hlo, elements, ("copy", "convert")) == []
 
 
 def test_pool_sized_ops_detects_a_whole_pool_conversion():
@@ -158,7 +165,7 @@ def test_rows_view_reads_what_the_pool_holds(cfg, kv):
         q = jax.random.normal(key, (b, cfg.num_heads, cfg.head_dim))
         run = lambda p, t: paged_decode_attention(q, p.k, p.v, t, lengths, k_scales=p.k_scale,  # noqa: E731
                                                   v_scales=p.v_scale, sm_scale=0.3, impl="reference")
-    np.testing.assert_array_equal(run(view, vpt), run(pages, jnp.asarray(pt)))
+    np.testing.assert_array_equal(run(view, vpt), run(jax.tree.map(as_values, pages), jnp.asarray(pt)))
 
 
 def test_paged_attend_masked_row_reads_nothing():

@@ -118,6 +118,23 @@ def leaves(pool):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(pool)]
 
 
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_cpu_pools_hold_raw_bits_and_read_back_values(kv_dtype):
+    """On XLA:CPU BF16/FP8 pools hold raw uint16/uint8 bits (written in place); reads give the values back, and
+    the accelerators keep the value dtype."""
+    dt = jnp.dtype(ps.config.to_dtype(kv_dtype))
+    raw = paged.storage_dtype(kv_dtype, "cpu")
+    assert raw == (dt if dt.itemsize == 4 else jnp.dtype(f"uint{8 * dt.itemsize}"))
+    assert paged.storage_dtype(kv_dtype, "gpu") == dt and paged.value_dtype(raw) == dt
+    pool = paged.init_pool(MLA, 6, S, kv_dtype)
+    assert pool.layers[0].latent.dtype == raw
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, MLA.kv_cache_width)), jnp.float32)
+    stored = paged.as_stored(x, raw)
+    assert stored.dtype == raw
+    np.testing.assert_array_equal(np.asarray(paged.as_values(stored), np.float32),
+                                  np.asarray(x.astype(dt), np.float32))
+
+
 @pytest.mark.parametrize("cfg", [GQA, MLA], ids=["gqa", "mla"])
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_prompt_write_then_gather_round_trips(cfg, kv_dtype):
@@ -290,16 +307,17 @@ def test_pool_layout_is_what_the_attention_kernels_take(cfg):
     pool = paged.write_prompt(paged.init_pool(cfg, 12, S, "float8_e4m3fn"), rand_kv(cfg, rng, 3, 3 * S), pt,
                               jnp.asarray(lengths))
     lay = pool.layers[1]
+    vals = jax.tree.map(paged.as_values, lay)  # the kernels take values (XLA:CPU pools hold raw bits)
     w = cfg.kv_cache_width
     q = jnp.asarray(rng.standard_normal((3, cfg.num_heads, w)), jnp.float32)
     valid = jnp.arange(3 * S)[None, :] < jnp.asarray(lengths)[:, None]
     mine = np.asarray(dense_attend(q, paged.gather_layer(lay, pt), valid))
     if cfg.is_mla:
         r = cfg.kv_lora_rank
-        theirs = mla_decode_attention_reference(q[..., :r], q[..., r:], lay.latent, pt, jnp.asarray(lengths),
-                                                scales=lay.scale, sm_scale=w**-0.5)
+        theirs = mla_decode_attention_reference(q[..., :r], q[..., r:], vals.latent, pt, jnp.asarray(lengths),
+                                                scales=vals.scale, sm_scale=w**-0.5)
         mine = mine[..., :r]
     else:
-        theirs = paged_decode_attention_reference(q, lay.k, lay.v, pt, jnp.asarray(lengths), k_scales=lay.k_scale,
-                                                  v_scales=lay.v_scale)
+        theirs = paged_decode_attention_reference(q, vals.k, vals.v, pt, jnp.asarray(lengths),
+                                                  k_scales=vals.k_scale, v_scales=vals.v_scale)
     np.testing.assert_allclose(mine, np.asarray(theirs), rtol=2e-5, atol=2e-5)
