@@ -162,7 +162,8 @@ def run(model_path: str | Path, out_dir: str | Path, *, num_requests: int = 48, 
     reqs = tool_requests(cfg, num_requests, max_tokens, tool_mix, seed)
     prompts = [r.prompt_ids(ps_tok()) for r in reqs]
     max_len = max(len(p) for p in prompts) + max_tokens
-    rows: dict[str, Any] = {"settings": {"num_requests": len(reqs), "max_tokens": max_tokens, "tool_mix": tool_mix,
+    rows: dict[str, Any] = {"settings": {"model": str(model_path),
+                                         "num_requests": len(reqs), "max_tokens": max_tokens, "tool_mix": tool_mix,
                                          "num_windows": num_windows, "calib_sequences": calib_sequences, "seed": seed,
                                          "kinds": sorted({r.kind for r in reqs})},
                             "weights": {}, "rows": {}}
@@ -294,7 +295,8 @@ def _ci(ci) -> str:
 def markdown(rows: dict, cfg) -> str:
     st, ref, iv = rows["settings"], rows["weights"]["float32"], rows["intervals"]
     lines = ["# Quality of each representation on the default model", "",
-             f"Model: models/default ({cfg.architecture}, {cfg.num_layers} layers, {cfg.num_experts} experts, "
+             f"Model: {st.get('model', 'models/default')} ({cfg.architecture}, {cfg.num_layers} layers, "
+             f"{cfg.num_experts} experts, "
              f"context {cfg.max_position_embeddings}). Tool calls: {st['num_requests']} held-out requests "
              f"({st['tool_mix']} mix: {', '.join(st['kinds'])}), greedy, at most {st['max_tokens']} tokens, "
              "through the engine. Next-token "
