@@ -46,6 +46,7 @@ LIMITS = {"ratio_64k_16k_max": 4.5, "flops_16k_vs_1k_min": 0.7}
 # the engine end-to-end point: a T-token prompt in chunks of `budget`, then new_tokens; the checks at check_T
 ENGINE = {"T": 32768, "new_tokens": 64, "budget": 2048, "check_T": 2048, "check_budget": 256, "rss_limit_gib": 8,
           "box_s": 3500}
+ENGINE_PARTS = ("e2e", "checks")
 
 
 def model_config(variant: str, max_context: int):
@@ -147,22 +148,27 @@ def _first_token(engine, req):
     return out
 
 
-def measure_engine(t: int) -> None:
+def measure_engine(t: int, parts: tuple[str, ...] = ENGINE_PARTS) -> None:
     """Child process: the engine end to end on the default architecture (random weights, context raised), one JSON
     line per part -- first a ``t``-token prompt prefilled in chunks then decoded (the process's peak RSS right after
     it), then chunked vs unchunked greedy tokens at :data:`ENGINE` ``check_T`` (float32, then FP8 KV agreement)
-    and the TTFT of a 90%-shared prompt vs a miss."""
+    and the TTFT of a 90%-shared prompt vs a miss (``parts``: "e2e", "checks")."""
     import jax
 
-    import phaseserve as ps
-    from phaseserve.engine import Request
     from phaseserve.model.params import init_params
 
-    e, new = ENGINE, ENGINE["new_tokens"]
-    cfg = model_config("default", t + new)
+    cfg = model_config("default", t + ENGINE["new_tokens"])
     params = init_params(cfg, jax.random.key(0), "float32")
     rng = np.random.default_rng(0)
-    # the long prompt, end to end
+    if "e2e" in parts:
+        _end_to_end(cfg, params, t, rng)
+    if "checks" in parts:
+        _checks(cfg, params, rng)
+
+
+def _end_to_end(cfg, params, t: int, rng) -> None:
+    """The ``t``-token prompt in chunks, then ``new_tokens`` decoded; the process's peak RSS right after."""
+    e, new = ENGINE, ENGINE["new_tokens"]
     eng = _engine(cfg, params, e["budget"], t + new)
     long_prompt = rng.integers(0, cfg.vocab_size, t).tolist()
     t0 = time.perf_counter()
@@ -173,6 +179,13 @@ def measure_engine(t: int) -> None:
                       "prefill_steps": eng.metrics.prefill_batches, "decode_steps": eng.metrics.decode_steps,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
 
+
+def _checks(cfg, params, rng) -> None:
+    """Chunked vs unchunked greedy tokens at ``check_T`` (float32 equality, FP8 KV agreement); prefix-hit TTFT."""
+    import phaseserve as ps
+    from phaseserve.engine import Request
+
+    e, new = ENGINE, ENGINE["new_tokens"]
     ct = e["check_T"]
     prompt = rng.integers(0, cfg.vocab_size, ct).tolist()
     runs = {}
@@ -209,10 +222,12 @@ def measure_engine(t: int) -> None:
                       "hit_ttft_s": hit_s, "ratio": hit_s / miss_s}), flush=True)
 
 
-def run_engine_point(t: int, box_s: float) -> dict:
-    """:func:`measure_engine` in a fresh interpreter, killed after ``box_s`` seconds: its parts by name."""
-    rows, status, partial = _run_child(["--engine", str(t)], box_s)
-    out = {"status": status, **{r.pop("part"): r for r in rows}}
+def run_engine_point(t: int, box_s: float, parts: tuple[str, ...] = ENGINE_PARTS) -> dict:
+    """:func:`measure_engine` in a fresh interpreter, killed after ``box_s`` seconds: its parts by name, and the
+    status of the run (``status``, or ``status_<part>`` when only some parts ran)."""
+    rows, status, partial = _run_child(["--engine", str(t), "--parts", *parts], box_s)
+    key = "status" if tuple(parts) == ENGINE_PARTS else "status_" + "+".join(parts)
+    out = {key: status, **{r.pop("part"): r for r in rows}}
     if partial is not None:
         out["peak_rss_bytes_partial"] = partial
     return out
@@ -236,7 +251,9 @@ def engine_markdown(eng: dict) -> str:
         lines.append(f"- Prefix reuse at {pre['T']:,} tokens, {pre['shared_tokens']:,} shared: TTFT "
                      f"{pre['hit_ttft_s']:.2f} s vs {pre['miss_ttft_s']:.2f} s for a miss = {pre['ratio']:.3f}x "
                      f"(limit 0.25x).")
-    lines.append(f"- Status: {eng.get('status', 'not run')}.")
+    runs = [f"{k.removeprefix('status').lstrip('_') or 'all parts'}: {v}" for k, v in eng.items()
+            if k.startswith("status")]
+    lines.append(f"- Status ({'; '.join(runs) or 'not run'}).")
     return "\n".join(lines) + "\n"
 
 
@@ -405,18 +422,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", type=int, metavar="T", help="(internal) measure the engine point and exit")
     ap.add_argument("--engine-only", action="store_true",
                     help="run only the engine point; keep the prefill points already in --out's JSON")
+    ap.add_argument("--parts", nargs="*", default=list(ENGINE_PARTS), choices=ENGINE_PARTS,
+                    help="engine parts to run (--engine-only merges them into the engine results already there)")
     args = ap.parse_args(argv)
     if args.point:
         measure_point(args.point[0], int(args.point[1]))
         return 0
     if args.engine:
-        measure_engine(args.engine)
+        measure_engine(args.engine, tuple(args.parts))
         return 0
     path = Path(args.out) / "long_context.json"
     if args.render or args.engine_only:
-        data = json.loads(path.read_text())
-        eng = run_engine_point(ENGINE["T"], ENGINE["box_s"]) if args.engine_only else data.get("engine")
-        write(Path(args.out), data["points"], eng)
+        new = run_engine_point(ENGINE["T"], ENGINE["box_s"], tuple(args.parts)) if args.engine_only else {}
+        data = json.loads(path.read_text())  # read after the run: another run may have written meanwhile
+        write(Path(args.out), data["points"], {**data.get("engine", {}), **new} or None)
         return 0
     run_and_write([p for p in POINTS if args.only is None or f"{p[0]}:{p[1]}" in args.only], Path(args.out))
     return 0
