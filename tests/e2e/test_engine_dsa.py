@@ -1,6 +1,6 @@
 """GLM-5 DeepSeek Sparse Attention served by the engine: greedy tokens equal transformers' ``generate`` (float32,
 eager, its own indexer cache) for generations running well past ``index_topk``, colocated and disaggregated, with
-and without ``indexer_types`` sharing; the pool holds the index keys the planner counts."""
+and without ``indexer_types`` sharing, with chunked prefill; the pool holds the index keys the planner counts."""
 
 from __future__ import annotations
 
@@ -43,3 +43,14 @@ def test_pool_holds_the_index_keys_the_planner_counts(dsa):
     per_token = paged.kv_bytes_per_token(cfg, "float8_e4m3fn")
     assert per_token == cfg.num_layers * (cfg.kv_cache_width + 4) + full * (cfg.index_head_dim + 4)
     assert paged.pool_nbytes(pool) == 10 * 4 * per_token
+
+
+def test_chunked_prefill_selects_over_cached_index_keys(dsa):
+    """Prompts prefilled 7 tokens per step: each chunk scores the index keys already in the request's pages (past
+    index_topk) and equals transformers."""
+    model, cfg, params = dsa
+    reqs = random_requests(cfg.vocab_size, 3, seed=11, min_len=2 * cfg.index_topk - 2, max_len=3 * cfg.index_topk,
+                           max_tokens=(12, 13))
+    outs = ps.Engine(cfg, params, serve_config("disaggregated", num_pages=160, max_prefill_tokens=7)).generate(reqs)
+    for r, o in zip(reqs, outs, strict=True):
+        assert o.error is None and o.tokens == hf_greedy(model, r), r.id
