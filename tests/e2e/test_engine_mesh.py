@@ -65,7 +65,7 @@ def _kernel_engine(cfg, params, mesh):
     return ps.Engine(cfg, params, serve, attn_impl="pallas", matmul_impl="pallas")
 
 
-@pytest.mark.parametrize("arch", ["gqa", "mla"])
+@pytest.mark.parametrize("arch", ["gqa", pytest.param("mla", marks=pytest.mark.slow)])
 def test_pallas_kernels_under_meshes_equal_single_device(arch):
     cfg = GQA_MOE if arch == "gqa" else MLA_MOE
     params = ps.init_params(cfg, jax.random.key(7))

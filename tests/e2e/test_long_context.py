@@ -16,6 +16,8 @@ from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.engine import Request
 from tests.e2e.engine_utils import F32, make_checkpoint
 
+pytestmark = pytest.mark.slow  # minutes of CPU: run by `pytest -m slow` (README), not the default run
+
 PAGE = 16
 
 

@@ -16,6 +16,8 @@ from phaseserve.serving import ModelSpec, Router, ServerSpec
 from tests.e2e.engine_utils import F32, serve_config
 from tests.parity.hf_models import build, dsa_config
 
+pytestmark = pytest.mark.slow  # minutes of CPU: run by `pytest -m slow` (README), not the default run
+
 FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
 
 

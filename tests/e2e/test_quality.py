@@ -17,6 +17,7 @@ from phaseserve.eval.quality import ROWS, WEIGHTS, run
 from phaseserve.quant import quantize as quantize_mod
 
 
+@pytest.mark.slow  # every representation through the engine: minutes of CPU; run by `pytest -m slow`
 def test_quality_table_is_measured_and_written(tmp_path):
     rows = run(default_model_path(), tmp_path, num_requests=3, max_tokens=12, num_windows=3, calib_sequences=2)
     saved = json.loads((tmp_path / "quality.json").read_text())

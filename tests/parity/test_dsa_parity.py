@@ -33,8 +33,8 @@ from tests.parity.hf_models import build, dsa_config
 SHARED = ["full", "shared", "full"]
 CASES = [  # (index_topk, indexer_types, lengths as multiples of index_topk)
     (8, None, (2, 8)),
-    (16, SHARED, (4,)),
-    (32, ["full", "full", "shared"], (2, 8)),
+    pytest.param(16, SHARED, (4,), marks=pytest.mark.slow),
+    pytest.param(32, ["full", "full", "shared"], (2, 8), marks=pytest.mark.slow),
 ]
 
 
