@@ -102,7 +102,8 @@ def _gathered_kernel_operands(fn, args, platform: str, sharded) -> list:
     operands = _kernel_operands(text, platform)
     assert operands, f"no {KERNEL_CALLS[platform]} in the exported {platform} step"
     assert "all_gather" not in text
-    globals_ = {(shape, MLIR_DTYPES[dt]) for shape, dt in sharded if dt in STORED}
+    # either stored dtype: a CPU-built FP8 pool keeps uint8 bits and is bitcast to FP8 before the kernel reads it
+    globals_ = {(shape, MLIR_DTYPES[st]) for shape, dt in sharded if dt in STORED for st in STORED}
     return [o for o in operands if o in globals_]
 
 
@@ -121,8 +122,11 @@ def test_without_shard_map_the_kernels_take_gathered_operands(monkeypatch):
     eng = _engine(GQA)
     monkeypatch.setattr(kernel_mesh.KernelScope, "sharded", lambda self, impl: False)  # kernels left to GSPMD
     fn, args = _decode_step(eng)
-    gathered = _gathered_kernel_operands(fn, args, "cuda", _sharded_globals(eng.decode_params, eng.pool))
-    assert {dt for _, dt in gathered} >= {"ui8", "f8E4M3FN"}  # INT4 weights and the FP8 pool, whole
+    gathered = {shape for shape, _ in _gathered_kernel_operands(fn, args, "cuda",
+                                                                _sharded_globals(eng.decode_params, eng.pool))}
+    # INT4 weights and the FP8 pool, whole (told apart by shape)
+    assert gathered & {shape for shape, _ in _sharded_globals(eng.decode_params)}
+    assert gathered & {shape for shape, _ in _sharded_globals(eng.pool)}
 
 
 @pytest.mark.parametrize("shard_map", [True, False])
