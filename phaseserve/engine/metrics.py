@@ -113,14 +113,12 @@ def oversized_pool(num_pages: int, max_batch: int, max_pages_per_seq: int, page_
 
     At most ``max_batch * max_pages_per_seq`` pages are held by running requests at once (the rest can only keep
     finished prefixes for reuse). A pool more than :data:`OVERSIZE_FACTOR` times that is memory the work cannot
-    use (and on XLA:CPU an FP8/BF16 pool is still copied once per layer write); ``page_bytes`` is one page's
-    size in the chosen KV dtype.
+    use; ``page_bytes`` is one page's size in the chosen KV dtype.
     """
     usable = max_batch * max_pages_per_seq
     if num_pages - 1 <= OVERSIZE_FACTOR * usable:
         return None
     return (f"the KV budget gives {num_pages - 1:,} pages ({(num_pages - 1) * page_bytes / 2**20:,.1f} MiB) but "
             f"max_batch={max_batch} x max_pages_per_seq={max_pages_per_seq} running requests can hold at most "
-            f"{usable:,} ({usable * page_bytes / 2**20:,.1f} MiB): memory the work cannot use (and on XLA:CPU an "
-            f"FP8/BF16 pool is still copied per layer write) -- lower CacheConfig.kv_budget_bytes (or set num_pages) "
-            f"to fit the work")
+            f"{usable:,} ({usable * page_bytes / 2**20:,.1f} MiB): memory the work cannot use -- lower "
+            f"CacheConfig.kv_budget_bytes (or set num_pages) to fit the work")
