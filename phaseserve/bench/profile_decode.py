@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps per point (and interleaved pool-growth steps)")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--kv", default="float32", help="KV storage dtype (float32, bfloat16, float8_e4m3fn)")
     ap.add_argument("--pool-growth", action="store_true", help="also time the step with a 100x pool")
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             result["rows"].append({"model": name, "batch": b, "ms": ms})
             print(name, b, {k: round(v, 2) for k, v in ms.items()}, flush=True)
         for b in a.growth_batches if a.pool_growth else []:
-            g = pool_growth(cfg, b, context=a.context, kv_dtype=a.kv)
+            g = pool_growth(cfg, b, repeats=a.steps, context=a.context, kv_dtype=a.kv)
             result["pool_growth"].append({"model": name, "batch": b, **g})
             print(name, "pool growth", b, g, flush=True)
     result["environment_end_load"] = [round(x, 2) for x in __import__("os").getloadavg()]
