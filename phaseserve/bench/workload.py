@@ -157,7 +157,9 @@ def drive(engine: Engine, requests: list[Request], concurrency: int, arrival: st
 
 def warmup(engine: Engine, workload: Any, max_concurrency: int, vocab_size: int) -> int:
     """Compile every decode batch bucket up to ``max_concurrency`` and every prefill (batch, prompt) bucket the
-    workload reaches, with short untimed runs. Returns the number of runs."""
+    workload reaches, with short untimed runs, and the handoff's chunk sizes (``Engine.warm_handoff``). Returns
+    the number of runs."""
+    engine.warm_handoff()
     lo, hi = min_length(workload.prompt), max_length(workload.prompt)
     t_buckets = sorted({bucket(n, 16) for n in range(lo, hi + 1)})
     runs = 0

@@ -6,16 +6,20 @@ When a prompt's last chunk is done, its KV sits in the prefill pool's pages (pre
 shared prefix are already in the decode pool), and nothing but whole pages crosses -- no padded ``[B, T]`` arrays::
 
     payload, per layer: [(values [1, n * page_size, ...], scale [1, n * page_size, ...] | None), ...]
-                        (pages concatenated, several requests' pages in one payload)
+                        (pages concatenated, several requests' pages in one payload; in process, a list of
+                        such payloads, one per chunk of :func:`page_chunks`)
 
 A :class:`Handoff` moves the payload to the decode devices; :func:`import_pages` writes it, without re-quantizing,
 into the destination pages (page ids of 0 -- padding -- write nothing). The same two functions run the other way
 for a prefix hit (decode pool pages -> the request's first prefill pages, dequantized to the prefill KV dtype), and
 the multi-process servers ship the same payload over ``jax.experimental.transfer`` (``phaseserve.serving``).
 
-:func:`page_bucket` / :func:`trim` / :func:`pad` keep the jitted shapes to a handful while the bytes that cross are
-exactly the pages: export runs at a bucketed page count and the payload is trimmed to the real pages before the
-transfer, then padded back on the receiving side.
+:func:`page_chunks` keeps the jitted shapes to a handful without padding what crosses: ``n`` pages are exported and
+imported as power-of-two chunks (``n = 11`` -> 8 + 2 + 1 pages), so export and import compile once per chunk size
+(at most ``log2(max pages) + 1`` sizes, all compiled by the engine's warm-up) rather than once per page count, and
+the bytes that cross are exactly the pages. An in-process payload is the list of its chunks' payloads. The
+multi-process protocol ships each request's KV as one ``[T, ...]`` array per leaf (:func:`join_chunks` /
+:func:`split_chunks` convert; those shapes follow the prompt's page count by design of that protocol).
 """
 
 from __future__ import annotations
@@ -63,20 +67,25 @@ def import_pages(pool: PagePool, payload: list, pages: jax.Array) -> PagePool:
                                      for layer, parts in zip(pool.layers, payload, strict=True)))
 
 
-def page_bucket(n: int) -> int:
-    """Padded page count for the jitted export/import: a power of two up to 16, then a multiple of 16."""
-    return 1 << max(n - 1, 0).bit_length() if n <= 16 else -(-n // 16) * 16
+def page_chunks(n: int) -> list[int]:
+    """``n`` pages as power-of-two chunk sizes, largest first: 11 -> [8, 2, 1]; 0 -> []."""
+    return [1 << i for i in reversed(range(n.bit_length())) if n >> i & 1]
 
 
-def trim(payload: list, num_tokens: int) -> list:
-    """The payload's first ``num_tokens`` tokens (the real pages; the rest is bucket padding)."""
-    return jax.tree.map(lambda x: x[:, :num_tokens], payload)
+def join_chunks(chunks: list[list]) -> list:
+    """Chunk payloads -> one payload of all their tokens (per leaf, concatenated along the token axis)."""
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *chunks)
 
 
-def pad(payload: list, num_tokens: int) -> list:
-    """The payload padded with zeros to ``num_tokens`` tokens (to a bucketed shape on the receiving side)."""
-    return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, num_tokens - x.shape[1])] + [(0, 0)] * (x.ndim - 2)),
-                        payload)
+def split_chunks(payload: list, page_size: int) -> list[list]:
+    """One payload of ``n * page_size`` tokens -> the chunk payloads of :func:`page_chunks` (inverse of
+    :func:`join_chunks`)."""
+    n = jax.tree.leaves(payload)[0].shape[1] // page_size
+    out, start = [], 0
+    for size in page_chunks(n):
+        out.append(jax.tree.map(lambda x, a=start * page_size, b=(start + size) * page_size: x[:, a:b], payload))
+        start += size
+    return out
 
 
 def kv_nbytes(kvq: Any) -> int:

@@ -31,7 +31,7 @@ from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopT
 from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
 from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, canonical_dtype
 from phaseserve.engine.decode import DecodeBatch, decode_step
-from phaseserve.engine.handoff import export_pages, import_pages, pad, page_bucket, trim
+from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
 from phaseserve.engine.request import Request
 from phaseserve.engine.scheduler import Chunk, Sequence
@@ -149,25 +149,32 @@ class PrefillWorker:
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
         (see :mod:`phaseserve.engine.handoff`)."""
-        return export_paged(self._export, self.pool, pages, self.kv_dtype, self.page_size)
+        return export_paged(self._export, self.pool, pages, self.kv_dtype)
 
     def land(self, pages: list[int], payload: list) -> None:
         """Write a payload (a prefix hit's pages, in the prefill KV dtype, already on this mesh) into ``pages``."""
-        self.pool = import_paged(self._import, self.pool, pages, payload, self.page_size)
+        self.pool = import_paged(self._import, self.pool, pages, payload)
 
 
-def export_paged(fn: Any, pool: Any, pages: list[int], dtype: str, page_size: int) -> list:
-    """``fn`` (jitted :func:`export_pages`) at a bucketed page count, trimmed to ``len(pages)`` pages."""
-    idx = np.zeros(page_bucket(len(pages)), np.int32)
-    idx[: len(pages)] = pages
-    return trim(fn(pool, idx, dtype), len(pages) * page_size)
+def export_paged(fn: Any, pool: Any, pages: list[int], dtype: str) -> list[list]:
+    """``fn`` (jitted :func:`export_pages`) once per power-of-two chunk of ``pages``: the chunk payloads."""
+    out, start = [], 0
+    for size in page_chunks(len(pages)):
+        out.append(fn(pool, np.asarray(pages[start:start + size], np.int32), dtype))
+        start += size
+    return out
 
 
-def import_paged(fn: Any, pool: Any, pages: list[int], payload: list, page_size: int) -> Any:
-    """``fn`` (jitted :func:`import_pages`, pool donated) on the payload padded to a bucketed page count."""
-    idx = np.zeros(page_bucket(len(pages)), np.int32)
-    idx[: len(pages)] = pages
-    return fn(pool, pad(payload, len(idx) * page_size), idx)
+def import_paged(fn: Any, pool: Any, pages: list[int], chunks: list[list]) -> Any:
+    """``fn`` (jitted :func:`import_pages`, pool donated) once per chunk payload of :func:`export_paged`."""
+    sizes = page_chunks(len(pages))
+    if len(sizes) != len(chunks):
+        raise ValueError(f"{len(pages)} pages come in {len(sizes)} chunks, got {len(chunks)}")
+    start = 0
+    for size, payload in zip(sizes, chunks, strict=True):
+        pool = fn(pool, payload, np.asarray(pages[start:start + size], np.int32))
+        start += size
+    return pool
 
 
 class DecodeWorker:
@@ -233,11 +240,11 @@ class DecodeWorker:
 
     def land(self, pages: list[int], payload: list) -> None:
         """Write handed-over whole pages (already in the storage dtype, on the decode devices) into ``pages``."""
-        self.pool = import_paged(self._import, self.pool, pages, payload, self.page_size)
+        self.pool = import_paged(self._import, self.pool, pages, payload)
 
     def export(self, pages: list[int], dtype: str) -> list:
         """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
-        return export_paged(self._export, self.pool, pages, dtype, self.page_size)
+        return export_paged(self._export, self.pool, pages, dtype)
 
     def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
         """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""

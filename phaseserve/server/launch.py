@@ -81,6 +81,8 @@ def serve(cfg: DictConfig) -> None:
     backend = build_backend(cfg)
     if backend.limits.vocab_size > tok.vocab_size or backend.limits.vocab_size < 256 + 5:
         raise ConfigError(f"the model's vocabulary ({backend.limits.vocab_size}) does not fit the byte tokenizer")
+    if hasattr(backend, "engine"):  # compile the handoff's chunk sizes now, not while requests wait
+        backend.engine.warm_handoff()
     s = cfg.experiment
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend) on http://{s.host}:{s.port}/v1", flush=True)
     app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval))

@@ -38,6 +38,7 @@ import jax
 
 from phaseserve.cache.paged import has_index_keys, is_scaled
 from phaseserve.config import canonical_dtype
+from phaseserve.engine.handoff import split_chunks
 from phaseserve.engine.request import (
     CancelledError,
     Limits,
@@ -283,7 +284,7 @@ class DecodeServer:
         try:
             jax.block_until_ready(pull.arrays)  # raises if the pull errored (e.g. the prefill peer died mid-pull)
             n = -(-len(seq.request.prompt) // self.page_size)  # the staged pages (both sides checked the descriptor)
-            self.worker.land(self.tables.owned(seq.id)[:n], self._kvq(pull.arrays))
+            self.worker.land(self.tables.owned(seq.id)[:n], split_chunks(self._kvq(pull.arrays), self.page_size))
             jax.block_until_ready(self.worker.pool)  # the write has landed before anything may touch these pages
         except Exception as e:
             self.stats["transfer_errors"] += 1

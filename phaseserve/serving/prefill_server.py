@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from phaseserve.config import canonical_dtype
+from phaseserve.engine.handoff import join_chunks
 from phaseserve.engine.request import Limits, Request, RequestOutput, validate
 from phaseserve.engine.scheduler import Chunk, Sequence
 from phaseserve.engine.workers import PrefillWorker, prefill_pages, stop_reason
@@ -202,7 +203,7 @@ class PrefillServer:
             if stop_reason(r, tok, 1, self.cfg.eos_token_ids):
                 self.router_q.put(("prefilled", r.id, tok, None))
                 return
-            payload = self.worker.export(self.worker.tables.owned(r.id))
+            payload = join_chunks(self.worker.export(self.worker.tables.owned(r.id)))
             leaves = [jax.device_put(x[0], self.device) for x in jax.tree.leaves(payload)]  # [T_r, ...] whole pages
             desc = self.staging.stage(r.id, leaves, len(r.prompt), self.kv_dtype)
         except Exception as e:

@@ -29,8 +29,8 @@ def serve(budget: int, quant=F32, num_pages: int = 160, max_batch: int = 4, max_
 
 @pytest.fixture(scope="module")
 def model():
-    """The default architecture (MLA + MoE), random float32 weights, context raised to 1024."""
-    cfg = model_config("default", 1024)
+    """The default architecture (MLA + MoE), random float32 weights, context raised to 2048."""
+    cfg = model_config("default", 2048)
     return cfg, ps.init_params(cfg, jax.random.key(3), "float32")
 
 
@@ -85,20 +85,21 @@ def test_preemption_by_recompute_runs_through_chunks(model):
 def test_a_shared_prefix_is_computed_once_and_gives_the_tokens_of_no_reuse(model):
     cfg, params = model
     rng = np.random.default_rng(7)
-    prefix = rng.integers(0, cfg.vocab_size, 256).tolist()  # 16 full pages
+    n = 1024  # 64 full pages
+    prefix = rng.integers(0, cfg.vocab_size, n).tolist()
     reqs = [Request(id=f"s{i}", prompt=prefix + rng.integers(0, cfg.vocab_size, 3 + i).tolist(), max_tokens=5,
                     ignore_eos=True) for i in range(8)]
     other = Request(id="t", prompt=prefix + [1, 2, 3], max_tokens=5, ignore_eos=True, tenant="other")
-    eng = ps.Engine(cfg, params, serve(512, max_batch=9))
+    eng = ps.Engine(cfg, params, serve(512, max_batch=9, max_context=2048, num_pages=640))
     outs = eng.generate(reqs + [other])  # submitted together
-    suffixes = sum(len(r.prompt) - 256 for r in reqs[1:])
+    suffixes = sum(len(r.prompt) - n for r in reqs[1:])
     # s0 computes the prefix; s1..s7 only their suffixes; the other tenant never hits and computes all of its own
     assert eng.metrics.prefill_tokens == len(reqs[0].prompt) + suffixes + len(other.prompt)
-    assert [o.metrics.prefix_hit_tokens for o in outs] == [0] + [256] * 7 + [0]
+    assert [o.metrics.prefix_hit_tokens for o in outs] == [0] + [n] * 7 + [0]
     s = eng.summary()
-    assert s["prefill_tokens_saved"] == 7 * 256 and s["prefix_deferrals"] >= 7
-    assert s["prefix_hit_rate"] == pytest.approx(7 * 16 / (9 * 16))
-    no_reuse = ps.Engine(cfg, params, serve(512, max_batch=9))
+    assert s["prefill_tokens_saved"] == 7 * n and s["prefix_deferrals"] >= 7
+    assert s["prefix_hit_rate"] == pytest.approx(7 * 64 / (9 * 64))
+    no_reuse = ps.Engine(cfg, params, serve(512, max_batch=9, max_context=2048, num_pages=640))
     no_reuse.scheduler.prefix_caching = False
     ref = no_reuse.generate(reqs + [other])
     assert no_reuse.metrics.prefill_tokens == sum(len(r.prompt) for r in reqs + [other])
