@@ -108,6 +108,7 @@ class TrainConfig:
     eval_max_tokens: int = 160  # generation budget of those requests
     stop_after: int | None = None  # stop (checkpoint, export) after this step; the schedule still spans ``steps``
     keep_checkpoints: int = 3
+    progress_only: bool = False  # train nothing: write a snapshot of the run in ``ckpt_dir`` to ``results_dir``
 
 
 def hf_config(m: ModelShape, tok: ByteTokenizer | None = None, dtype: str = "bfloat16") -> dict:
@@ -321,8 +322,42 @@ def train(c: TrainConfig, log=print) -> dict:
     Returns the run summary (also written to ``<results_dir>/results.json``); the per-step history goes to
     ``history.json`` and the loss curve to ``loss_curve.png`` in ``results_dir``.
     """
+    if c.progress_only:
+        return progress(c, log)
     params, history = fit(c, log)
     return finish(c, params, history, log)
+
+
+PROGRESS_KEYS = ("heldout_text_loss", "heldout_tool_loss", "tool_exact", "tool_validity", "tool_args")
+
+
+def progress(c: TrainConfig, log=print) -> dict:
+    """A snapshot of a run still going: the history ``ckpt_dir`` holds (as of its last checkpoint) written to
+    ``results_dir`` as ``history.json``, ``loss_curve.png`` and a README with the held-out evaluations every 500
+    steps and the last one. Trains, exports and evaluates nothing. Returns ``{"step", "eval"}`` (the last eval)."""
+    history = json.loads((Path(c.ckpt_dir) / "history.json").read_text())
+    res = Path(c.results_dir)
+    res.mkdir(parents=True, exist_ok=True)
+    (res / "history.json").write_text(json.dumps(history) + "\n")
+    plot_history(history, res / "loss_curve.png")
+    step = history["train"][-1]["step"] if history["train"] else 0
+    evals = history["eval"]
+    shown = [e for e in evals if e["step"] % 500 == 0 or e is evals[-1]]
+    rows = ["| step | " + " | ".join(PROGRESS_KEYS) + " |", "|---:|" + "---:|" * len(PROGRESS_KEYS)]
+    rows += ["| " + " | ".join([str(e["step"])] + [f"{e[k]:.3f}" if k in e else "" for k in PROGRESS_KEYS]) + " |"
+             for e in shown]
+    (res / "README.md").write_text("\n".join([
+        "# Default-model training in progress (not the shipped model)", "",
+        f"A snapshot of the run checkpointed in `{c.ckpt_dir}` (`python experiments/train.py progress_only=true "
+        f"results_dir={c.results_dir}`): step {step:,} of {c.steps:,}, {history['wall_s'] / 60:.1f} min of wall "
+        "time so far (the CPU shared with other work). `history.json` has the training loss every "
+        f"{c.log_every} steps and the held-out evaluation every {c.eval_every}; `loss_curve.png` plots them.",
+        "", "Curriculum: " + _curriculum_text(asdict(c)) + ".", "",
+        "Held-out evaluation (losses in nats/byte; exact match, validity and argument accuracy of generated "
+        "calls):", "", *rows, ""]))
+    log(f"progress at step {step}: " + ", ".join(f"{k} {evals[-1][k]:.3f}" for k in PROGRESS_KEYS
+                                                  if evals and k in evals[-1]))
+    return {"step": step, "eval": evals[-1] if evals else None}
 
 
 def phases(c: TrainConfig) -> list[tuple[int, Mixture]]:

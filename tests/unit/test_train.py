@@ -163,3 +163,18 @@ def test_finish_writes_checkpoint_results_and_plot(tmp_path, key):
     assert json.loads((tmp_path / "r" / "results.json").read_text())["parameters"] == res["parameters"]
     assert (tmp_path / "r" / "loss_curve.png").stat().st_size > 1000
     assert ps.load_checkpoint(tmp_path / "r" / "model")[0] == T.model_config(TINY)
+
+
+def test_progress_snapshot_of_a_run_in_progress(tmp_path):
+    """progress_only writes the checkpointed history, the curve and a table ending at the last eval; trains nothing."""
+    _, hist = T.fit(_tiny_run(tmp_path, "p", "ck_p", stop_after=2), log=lambda s: None)
+    c = _tiny_run(tmp_path, "snap", "ck_p", progress_only=True)
+    out = T.train(c, log=lambda s: None)
+    assert out["step"] == 2 and out["eval"] == hist["eval"][-1]
+    md = (tmp_path / "snap" / "README.md").read_text()
+    last = hist["eval"][-1]
+    assert f"| 2 | {last['heldout_text_loss']:.3f} | {last['heldout_tool_loss']:.3f} |" in md
+    assert "step 2 of 4" in md
+    assert json.loads((tmp_path / "snap" / "history.json").read_text())["eval"] == hist["eval"]
+    assert (tmp_path / "snap" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "snap" / "model").exists()  # nothing exported
