@@ -47,7 +47,7 @@ import jax
 
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
-from phaseserve.engine.handoff import InProcessHandoff, page_chunks
+from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_pool
 from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
 from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
@@ -405,7 +405,7 @@ class Engine:
         """Compile the handoff's export and import (both ways: prompt pages to decode, prefix hits to prefill) at
         every power-of-two chunk size they can use, so serving never compiles them (page id 0 reads the null page's
         zeros and writes nothing). Returns the number of chunk sizes."""
-        sizes = page_chunks((1 << (self.prefill.num_pages - 1).bit_length()) - 1)  # every power of two below
+        sizes = [1 << i for i in range((self.prefill.num_pages - 1).bit_length())]  # 1, 2, 4, .. <= pages held
         for size in sizes:
             null = [0] * size
             self.decode.land(null, jax.device_put(self.prefill.export(null), replicated(self.decode_mesh)))
