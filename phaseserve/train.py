@@ -71,6 +71,7 @@ class Phase:
     batch_size: int = 12
     tool_fraction: float = 0.5  # share of batch rows that are packed tool-call examples
     tool_mix: str = "single"  # phaseserve.data.toolcalls.MIXES ("full" holds multi-turn prompts of ~600-840 tokens)
+    lr: float | None = None  # set: a new warmup + cosine cycle to this peak starts here (see lr_schedule)
 
 
 @dataclass
@@ -180,8 +181,31 @@ def update_correction_bias(params: Params, loads: jax.Array, rate: float) -> Par
     return params.replace(layers=layers)
 
 
+def lr_cycles(c: TrainConfig) -> list[tuple[int, int, float]]:
+    """(first step, end step, peak) of each learning-rate cycle: the first from step 0 at ``c.lr``, then one from
+    each curriculum phase that sets ``lr``; a cycle ends where the next begins, the last at ``c.steps``. So a run
+    continued by appending a phase with its own ``lr`` (and raising ``steps``) keeps the schedule of its earlier
+    steps, and a fresh run reproduces it."""
+    starts = [(0, c.lr)] + [(p.from_step, p.lr) for p in c.curriculum if p.lr is not None]
+    if any(s <= 0 for s, _ in starts[1:]):
+        raise ValueError("a phase at step 0 cannot set lr: the first cycle's peak is the run's lr")
+    ends = [s for s, _ in starts[1:]] + [c.steps]
+    cycles = [(s, e, peak) for (s, peak), e in zip(starts, ends, strict=True)]
+    if any(e - s <= c.warmup_steps for s, e, _ in cycles):
+        raise ValueError(f"every learning-rate cycle must be longer than warmup_steps={c.warmup_steps}: {cycles}")
+    return cycles
+
+
+def lr_schedule(c: TrainConfig) -> optax.Schedule:
+    """Linear warmup then cosine decay to ``peak * min_lr_ratio`` within each of :func:`lr_cycles`."""
+    cycles = lr_cycles(c)
+    parts = [optax.warmup_cosine_decay_schedule(0.0, peak, c.warmup_steps, e - s, peak * c.min_lr_ratio)
+             for s, e, peak in cycles]
+    return optax.join_schedules(parts, [s for s, _, _ in cycles[1:]]) if len(parts) > 1 else parts[0]
+
+
 def make_optimizer(c: TrainConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup_steps, c.steps, c.lr * c.min_lr_ratio)
+    schedule = lr_schedule(c)
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
     return optax.chain(optax.clip_by_global_norm(c.grad_clip),
                        optax.adamw(schedule, b2=c.b2, weight_decay=c.weight_decay, mask=decay_mask))
@@ -237,13 +261,15 @@ _STEP_FIELDS = ("lr", "warmup_steps", "steps", "min_lr_ratio", "weight_decay", "
 
 
 def _step_key(c: TrainConfig) -> tuple:
-    return tuple((f, getattr(c, f)) for f in _STEP_FIELDS)
+    phase_lrs = tuple((p.from_step, p.lr) for p in c.curriculum if p.lr is not None)
+    return tuple((f, getattr(c, f)) for f in _STEP_FIELDS) + (("curriculum", phase_lrs),)
 
 
 @lru_cache(maxsize=4)
 def _optimizer_and_step(cfg: ModelConfig, key: tuple):
     """One optimizer and compiled step per (model, hyper-parameters) in a process (a resumed run reuses them)."""
-    c = TrainConfig(**dict(key))
+    fields = dict(key)
+    c = TrainConfig(**fields | {"curriculum": [Phase(from_step=s, lr=lr) for s, lr in fields["curriculum"]]})
     opt = make_optimizer(c)
     return opt, make_step(cfg, c, opt)
 
@@ -475,6 +501,7 @@ def _curriculum_text(c: dict) -> str:
     plan = c.get("curriculum") or [{"from_step": 0, "batch_size": c["batch_size"], "seq_len": c["seq_len"],
                                     "tool_mix": c.get("tool_mix", "basic")}]
     return "; ".join(f"from step {p['from_step']}: {p['batch_size']}x{p['seq_len']} tokens, {p['tool_mix']} tool mix"
+                     + (f", a new learning-rate cycle to {p['lr']}" if p.get("lr") is not None else "")
                      for p in plan)
 
 

@@ -142,6 +142,36 @@ def test_curriculum_batches_and_stop_after(tmp_path):
     assert any("resumed from step 3" in line for line in lines) and hist["train"][-1]["step"] == 3
 
 
+def test_a_phase_with_lr_starts_a_new_cycle_and_keeps_the_earlier_schedule():
+    """Appending a phase that sets lr (and raising steps) leaves the schedule of the earlier steps as it was."""
+    before = T.TrainConfig(steps=100, lr=3e-3, warmup_steps=10, curriculum=[T.Phase(0), T.Phase(60)])
+    after = T.TrainConfig(steps=160, lr=3e-3, warmup_steps=10,
+                          curriculum=[T.Phase(0), T.Phase(60), T.Phase(100, lr=1e-3)])
+    old, new = T.lr_schedule(before), T.lr_schedule(after)
+    assert T.lr_cycles(after) == [(0, 100, 3e-3), (100, 160, 1e-3)]
+    np.testing.assert_array_equal([float(old(s)) for s in range(100)], [float(new(s)) for s in range(100)])
+    assert 3e-4 < float(new(99)) < 3.01e-4  # the first cycle's last step: just above its floor lr * 0.1
+    assert float(new(100)) == 0.0 and float(new(110)) == pytest.approx(1e-3)  # warmup to the new peak
+    assert float(new(160)) == pytest.approx(1e-4, rel=1e-3) and float(new(130)) < 1e-3
+    with pytest.raises(ValueError, match="step 0"):
+        T.lr_cycles(T.TrainConfig(curriculum=[T.Phase(0, lr=1e-3)]))
+    with pytest.raises(ValueError, match="longer than warmup"):
+        T.lr_cycles(T.TrainConfig(steps=105, warmup_steps=10, curriculum=[T.Phase(0), T.Phase(100, lr=1e-3)]))
+
+
+def test_a_run_continued_with_a_new_cycle_equals_a_fresh_run_of_the_longer_plan(tmp_path):
+    """Train 4 steps, then append a phase with its own lr and resume to 6: bit-identical to 6 steps in one go."""
+    longer = dict(steps=6, curriculum=[T.Phase(0, 32, 2, 0.5, "single"), T.Phase(2, 64, 1, 1.0, "basic"),
+                                       T.Phase(4, 32, 2, 1.0, "single", lr=1e-3)])
+    T.fit(_tiny_run(tmp_path, "a", "ck_a"), log=lambda s: None)
+    lines = []
+    a, hist = T.fit(_tiny_run(tmp_path, "a", "ck_a", **longer), log=lines.append)
+    assert any("resumed from step 4" in line for line in lines) and hist["train"][-1]["step"] == 6
+    b, _ = T.fit(_tiny_run(tmp_path, "b", "ck_b", **longer), log=lambda s: None)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_eval_history_reports_generated_tool_calls(tmp_path):
     """With eval_tool_calls, every eval generates held-out calls: exact match, validity, argument accuracy."""
     _, hist = T.fit(_tiny_run(tmp_path, "g", "ck_g", eval_tool_calls=4, eval_max_tokens=32, steps=2),
