@@ -357,6 +357,24 @@ def train(c: TrainConfig, log=print) -> dict:
 PROGRESS_KEYS = ("heldout_text_loss", "heldout_tool_loss", "tool_exact", "tool_validity", "tool_args")
 
 
+def eval_table(history: dict) -> list[str]:
+    """Markdown rows of the held-out evaluations every 500 steps and the last one."""
+    evals = history["eval"]
+    shown = [e for e in evals if e["step"] % 500 == 0 or e is evals[-1]]
+    rows = ["| step | " + " | ".join(PROGRESS_KEYS) + " |", "|---:|" + "---:|" * len(PROGRESS_KEYS)]
+    return rows + ["| " + " | ".join([str(e["step"])] + [f"{e[k]:.3f}" if k in e else "" for k in PROGRESS_KEYS])
+                   + " |" for e in shown]
+
+
+def _run_readme(c: TrainConfig, history: dict, title: str, lead: str, final: list[str]) -> str:
+    return "\n".join([
+        f"# {title}", "", lead + f" `history.json` has the training loss every {c.log_every} steps and the held-out "
+        f"evaluation every {c.eval_every} (48 generated requests, a quarter multi-turn); `loss_curve.png` plots "
+        "them.", "", "Curriculum: " + _curriculum_text(asdict(c)) + ".", "", *final,
+        "Held-out evaluation during training (losses in nats/byte; exact match, validity and argument accuracy of "
+        "generated calls):", "", *eval_table(history), ""])
+
+
 def progress(c: TrainConfig, log=print) -> dict:
     """A snapshot of a run still going: the history ``ckpt_dir`` holds (as of its last checkpoint) written to
     ``results_dir`` as ``history.json``, ``loss_curve.png`` and a README with the held-out evaluations every 500
@@ -368,19 +386,11 @@ def progress(c: TrainConfig, log=print) -> dict:
     plot_history(history, res / "loss_curve.png")
     step = history["train"][-1]["step"] if history["train"] else 0
     evals = history["eval"]
-    shown = [e for e in evals if e["step"] % 500 == 0 or e is evals[-1]]
-    rows = ["| step | " + " | ".join(PROGRESS_KEYS) + " |", "|---:|" + "---:|" * len(PROGRESS_KEYS)]
-    rows += ["| " + " | ".join([str(e["step"])] + [f"{e[k]:.3f}" if k in e else "" for k in PROGRESS_KEYS]) + " |"
-             for e in shown]
-    (res / "README.md").write_text("\n".join([
-        "# Default-model training in progress (not the shipped model)", "",
+    (res / "README.md").write_text(_run_readme(
+        c, history, "Default-model training in progress (not the shipped model)",
         f"A snapshot of the run checkpointed in `{c.ckpt_dir}` (`python experiments/train.py progress_only=true "
         f"results_dir={c.results_dir}`): step {step:,} of {c.steps:,}, {history['wall_s'] / 60:.1f} min of wall "
-        "time so far (the CPU shared with other work). `history.json` has the training loss every "
-        f"{c.log_every} steps and the held-out evaluation every {c.eval_every}; `loss_curve.png` plots them.",
-        "", "Curriculum: " + _curriculum_text(asdict(c)) + ".", "",
-        "Held-out evaluation (losses in nats/byte; exact match, validity and argument accuracy of generated "
-        "calls):", "", *rows, ""]))
+        "time so far (the CPU shared with other work).", []))
     log(f"progress at step {step}: " + ", ".join(f"{k} {evals[-1][k]:.3f}" for k in PROGRESS_KEYS
                                                   if evals and k in evals[-1]))
     return {"step": step, "eval": evals[-1] if evals else None}
@@ -542,6 +552,19 @@ Weights are bfloat16 (routers and correction biases float32). Load with `phasese
 """
 
 
+def final_summary(summary: dict) -> list[str]:
+    """Markdown lines of the exported checkpoint's final evaluation (``results.json``)."""
+    lines = [f"Final evaluation of the exported checkpoint: held-out text perplexity "
+             f"{summary['heldout_text']['ppl']:.2f} ({summary['heldout_text']['nll']:.3f} nats/byte)."]
+    tool = summary.get("tool_calls")
+    if tool:
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in tool["exact_by_kind"].items())
+        lines[0] += (f" On {tool['n']} held-out tool requests (greedy): exact match **{tool['exact_match']:.3f}**, "
+                     f"validity {tool['validity']:.3f}, argument accuracy {tool['argument_accuracy']:.3f}; exact "
+                     f"match by kind: {kinds}.")
+    return [*lines, ""]
+
+
 def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     """Export the trained model, reload it the way users do and evaluate the shipped (exported) weights."""
     from phaseserve.eval.cached_decode import cached_greedy_generate_fn
@@ -572,6 +595,11 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
         summary["tool_calls"] = {**report.as_dict(), "failures": report.failures, "eval_s": time.time() - t0}
     log(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=1))
     (out / "README.md").write_text(model_card(summary))
+    (res / "README.md").write_text(_run_readme(
+        c, history, f"Default-model training: the run exported to `{c.export_dir}`",
+        f"`python experiments/train.py` ({summary['steps_done']:,} steps, {history['wall_s'] / 60:.0f} min of wall "
+        "time on a 2-core CPU shared with other work, resumed across sessions). `results.json` has the final "
+        "evaluation of the exported checkpoint, reloaded in float32.", final_summary(summary)))
     (res / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (res / "history.json").write_text(json.dumps(history) + "\n")
     plot_history(history, res / "loss_curve.png")

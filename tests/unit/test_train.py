@@ -193,6 +193,8 @@ def test_finish_writes_checkpoint_results_and_plot(tmp_path, key):
     assert json.loads((tmp_path / "r" / "results.json").read_text())["parameters"] == res["parameters"]
     assert (tmp_path / "r" / "loss_curve.png").stat().st_size > 1000
     assert ps.load_checkpoint(tmp_path / "r" / "model")[0] == T.model_config(TINY)
+    readme = (tmp_path / "r" / "README.md").read_text()
+    assert f"perplexity {res['heldout_text']['ppl']:.2f}" in readme and "| 2 | 4.000 | 3.000 |" in readme
 
 
 def test_progress_snapshot_of_a_run_in_progress(tmp_path):
