@@ -369,8 +369,9 @@ def eval_table(history: dict) -> list[str]:
 def _run_readme(c: TrainConfig, history: dict, title: str, lead: str, final: list[str]) -> str:
     return "\n".join([
         f"# {title}", "", lead + f" `history.json` has the training loss every {c.log_every} steps and the held-out "
-        f"evaluation every {c.eval_every} (48 generated requests, a quarter multi-turn); `loss_curve.png` plots "
-        "them.", "", "Curriculum: " + _curriculum_text(asdict(c)) + ".", "", *final,
+        f"evaluation every {c.eval_every} ({c.eval_tool_calls} generated requests, a quarter multi-turn when the "
+        "context holds them); `loss_curve.png` plots them.", "",
+        "Curriculum: " + _curriculum_text(asdict(c)) + ".", "", *final,
         "Held-out evaluation during training (losses in nats/byte; exact match, validity and argument accuracy of "
         "generated calls):", "", *eval_table(history), ""])
 
@@ -597,9 +598,9 @@ def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     (out / "README.md").write_text(model_card(summary))
     (res / "README.md").write_text(_run_readme(
         c, history, f"Default-model training: the run exported to `{c.export_dir}`",
-        f"`python experiments/train.py` ({summary['steps_done']:,} steps, {history['wall_s'] / 60:.0f} min of wall "
-        "time on a 2-core CPU shared with other work, resumed across sessions). `results.json` has the final "
-        "evaluation of the exported checkpoint, reloaded in float32.", final_summary(summary)))
+        f"`python experiments/train.py`: {summary['steps_done']:,} steps, {history['wall_s'] / 60:.0f} min of wall "
+        "time in all (summed over resumed runs). `results.json` has the final evaluation of the exported checkpoint, "
+        "reloaded in float32.", final_summary(summary)))
     (res / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (res / "history.json").write_text(json.dumps(history) + "\n")
     plot_history(history, res / "loss_curve.png")
