@@ -15,8 +15,8 @@ What is timed, per run:
   the decode device call (``schedule()``, page tables, integrity bookkeeping, token emission all count).
 - **phaseserve, pool sized to the batch**: the same on an engine per batch whose pool holds exactly that batch's
   pages (plus the null page), which shows what the pool's size costs the decode step at each batch.
-- **transformers**: ``model.generate`` of the whole batch (tokens/s), and separately ``max_new_tokens=1`` (TTFT:
-  prefill plus the first token); TPOT = (whole - TTFT) / (new_tokens - 1); torch runs with
+- **transformers**: ``model.generate`` of the whole batch (tokens/s); TTFT (prefill plus the first token) and TPOT
+  ((last token - first token) / (new_tokens - 1)) from the times that same call streamed each step; torch runs with
   ``experiment.torch_threads`` threads (default null: whichever count the thread check found faster).
 
 Threads: on a machine whose cores are shared with other work, torch's OpenMP threads wait on each other when a core
@@ -99,22 +99,39 @@ def run_engine(engine: Engine, toks: list[list[int]], new: int, tag: str) -> dic
             "tokens": [list(o.tokens) for o in outs]}
 
 
+class _TokenClock:
+    """A transformers streamer that only records when each ``put`` arrives: the prompt first, then one ``[B]``
+    tensor of new tokens per step, so the first token's and the last token's times come from the same call."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def run_hf(model: Any, toks: list[list[int]], new: int) -> dict:
-    """One timed ``generate`` of the whole batch, and one of its first token (TTFT)."""
+    """One timed ``generate`` of the whole batch; TTFT (prefill plus the first token) and TPOT come from the times
+    at which that same call handed each step's tokens to a streamer (no second call to subtract)."""
     import torch
 
     ids = torch.tensor(toks)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    clock = _TokenClock()
     with torch.no_grad():
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kw)
-        ttft = time.perf_counter() - t
-        t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new, **kw)
+        out = model.generate(ids, max_new_tokens=new, streamer=clock, **kw)
         whole = time.perf_counter() - t
     gen = out[:, ids.shape[1]:].tolist()
-    return {"tok_per_s": sum(map(len, gen)) / whole, "ttft_s": ttft, "tpot_s": (whole - ttft) / max(new - 1, 1),
-            "host_fraction": None, "tokens": gen}
+    steps = clock.times[1:]  # clock.times[0]: the prompt, handed over before prefill
+    if len(steps) != new:
+        raise RuntimeError(f"transformers streamed {len(steps)} steps for max_new_tokens={new}")
+    return {"tok_per_s": sum(map(len, gen)) / whole, "ttft_s": steps[0] - t,
+            "tpot_s": (steps[-1] - steps[0]) / (new - 1) if new > 1 else None, "host_fraction": None,
+            "tokens": gen}
 
 
 def thread_check(model: Any, toks: list[list[int]], new: int, rounds: int = 2) -> dict[int, list[float]]:
@@ -275,9 +292,9 @@ def _markdown(res: dict, plots: list[str]) -> str:
         f"pool has exactly each batch's pages plus the null page ({s['sized_pool_pages']} by batch). Ratios are "
         "each engine arm's tokens/s over transformers', paired within a repeat.", "",
         "Timed: phaseserve `engine.generate` of the batch (TTFT/TPOT: per-request p50s from `engine.summary()`); "
-        "transformers `generate` of the batch (TTFT: a separate `max_new_tokens=1` call; TPOT: the rest over "
-        "`new_tokens - 1`). Host %: decode-loop wall time minus the decode device call, over the decode-loop wall "
-        "time (scheduling included).", "",
+        "transformers `generate` of the batch (TTFT and TPOT from the times the same call streamed each step: "
+        "first token; last minus first over `new_tokens - 1`). Host %: decode-loop wall time minus the decode device "
+        "call, over the decode-loop wall time (scheduling included).", "",
         *[f"![{p}]({p})" for p in plots], "", f"Plots: median per batch; {spread_note}.", "",
         rp.environment_section(env),
     ])
