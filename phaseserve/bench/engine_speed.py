@@ -17,13 +17,15 @@ What is timed, per run:
   pages (plus the null page), which shows what the pool's size costs the decode step at each batch.
 - **transformers**: ``model.generate`` of the whole batch (tokens/s); TTFT (prefill plus the first token) and TPOT
   ((last token - first token) / (new_tokens - 1)) from the times that same call streamed each step; torch runs with
-  ``experiment.torch_threads`` threads (default null: whichever count the thread check found faster).
+  ``experiment.torch_threads`` threads (default null: at each batch, whichever count that batch's thread check
+  found faster).
 
 Threads: on a machine whose cores are shared with other work, torch's OpenMP threads wait on each other when a core
-is taken, and ``generate`` with as many threads as cores can run several times slower than with one. The run
-therefore first measures transformers at batch 1 with one thread and with every core (:func:`thread_check`,
-alternated, reported), then uses ``experiment.torch_threads``, or the faster count of that check (the baseline is
-given its best setting); the engine uses XLA's default thread pool.
+is taken, and ``generate`` with as many threads as cores can run several times slower than with one; and which
+count is faster depends on the batch (one thread can win at batch 1 and run 2x slower at batch 32). The run
+therefore first measures transformers at *every* batch with one thread and with every core (:func:`thread_check`,
+alternated, reported), then uses ``experiment.torch_threads``, or at each batch the faster count of that batch's
+check (the baseline is given its best setting at every point); the engine uses XLA's default thread pool.
 
 Outputs: ``results.json`` (every record, medians with ranges, paired ratios), ``README.md``, ``tokens_per_s.png``,
 ``tpot.png``. Greedy agreement is the fraction of generated positions where the two sides chose the same token.
@@ -135,7 +137,8 @@ def run_hf(model: Any, toks: list[list[int]], new: int) -> dict:
 
 
 def thread_check(model: Any, toks: list[list[int]], new: int, rounds: int = 2) -> dict[int, list[float]]:
-    """transformers tokens/s at batch 1 with one torch thread and with every core, alternated ``rounds`` times."""
+    """transformers tokens/s on the batch ``toks`` with one torch thread and with every core, alternated ``rounds``
+    times."""
     import torch
 
     counts = sorted({1, os.cpu_count() or 1})
@@ -176,17 +179,19 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
             serve, max_batch=b, cache=dataclasses.replace(serve.cache, num_pages=b * per_req + 1,
                                                           kv_budget_bytes=None))) for b in batches}
     data = {b: prompts(cfg, model_cfg.vocab_size, b, plen, seed=b) for b in batches}
-    threads = thread_check(hf, data[min(batches)][:1], new)
-    torch.set_num_threads(int(spec.torch_threads or fastest_threads(threads)))
+    checks = {b: thread_check(hf, data[b], new) for b in batches}
+    hf_threads = {b: int(spec.torch_threads or fastest_threads(checks[b])) for b in batches}
     for b in batches:  # warm-up: every shape of every timed run, every arm
         for arm in (SHARED, SIZED):
             run_engine(engines[(arm, b)], data[b], new, f"warm{b}-")
+        torch.set_num_threads(hf_threads[b])
         run_hf(hf, data[b], new)
     records, tokens = [], {}
     for rep in range(repeats):
         for j, b in enumerate(batches):
             for order, arm in enumerate(rotated(ARMS, rep + j)):
                 if arm == HF:
+                    torch.set_num_threads(hf_threads[b])
                     rec, reruns = run_hf(hf, data[b], new), 0
                 else:
                     rec, reruns = compile_free(lambda e=engines[(arm, b)], b=b, rep=rep: run_engine(
@@ -199,13 +204,13 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     agg = aggregate(records, METRICS)
     ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in (SHARED, SIZED)}
     agree = {b: agreement(tokens[(SHARED, b)], tokens[(HF, b)]) for b in batches}
-    results = {"experiment": "engine", "environment": env | {"torch": torch.__version__,
-                                                             "torch_threads": torch.get_num_threads()},
+    threads = {str(b): n for b, n in hf_threads.items()}
+    results = {"experiment": "engine", "environment": env | {"torch": torch.__version__, "torch_threads": threads},
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant), "batches": batches,
                             "prompt_len": plen, "new_tokens": new, "repeats": repeats,
                             "pool_pages": shared.num_pages, "sized_pool_pages": {b: b * per_req + 1 for b in batches},
                             "num_params": int(sum(np.size(x) for x in _leaves(params)))},
-               "thread_check": {str(n): stats(v) for n, v in threads.items()},
+               "thread_check": {str(b): {str(n): stats(v) for n, v in c.items()} for b, c in checks.items()},
                "records": records, "aggregate": agg, "ratio_tok_per_s": ratio, "greedy_agreement": agree,
                "headline": headline(agg, ratio, agree, batches)}
     plots = _plots(out_dir, agg, batches)
@@ -270,7 +275,7 @@ def _markdown(res: dict, plots: list[str]) -> str:
                      f"{fmt(rz['median'])}x [{fmt(rz['min'])}, {fmt(rz['max'])}]",
                      rp.spread(_ms(e["ttft_s"])), rp.spread(_ms(h["ttft_s"])), rp.spread(_ms(e["tpot_s"])),
                      rp.spread(_ms(z["tpot_s"])), rp.spread(_ms(h["tpot_s"])), rp.spread(_pc(e["host_fraction"])),
-                     res["greedy_agreement"][b]])
+                     res["greedy_agreement"][b], env["torch_threads"][str(b)]])
     spread_note = ("a band is drawn where there are two or more repeats (min to max)" if s["repeats"] > 1
                    else "one repeat: no band")
     return "\n".join([
@@ -279,15 +284,17 @@ def _markdown(res: dict, plots: list[str]) -> str:
         f"Model: `{s['model'].get('name')}` ({s['num_params']:,} parameters), float32 weights on both sides; engine "
         f"representations {s['quant']}; prompts of {s['prompt_len']} tokens, {s['new_tokens']} new tokens, greedy, "
         f"`ignore_eos`; {s['repeats']} repeats, arms interleaved with the order rotated; medians with [min, max]. "
-        f"transformers runs with {env['torch_threads']} torch thread(s) (torch {env['torch']}); each side warmed "
-        "up on the same shapes before timing; engine runs with a JIT compile inside the timed window are rerun.", "",
-        "Thread check (transformers, batch 1, same prompt and length, alternated; tokens/s median [range]): "
-        + "; ".join(f"{n} thread(s) {rp.spread(st)}" for n, st in res["thread_check"].items())
+        f"transformers runs with the torch thread count of the `transformers threads` column (torch {env['torch']}); "
+        "each side warmed up on the same shapes before timing; engine runs with a JIT compile inside the timed window "
+        "are rerun.", "",
+        "Thread check (transformers at each batch, same prompts and length, alternated; tokens/s median [range]): "
+        + "; ".join(f"batch {b}: " + ", ".join(f"{n} thread(s) {rp.spread(st)}" for n, st in c.items())
+                    for b, c in res["thread_check"].items())
         + f". Load average at start: {env.get('load_average_1m_5m_15m')} on {env.get('cpu_cores')} cores.", "",
         rp.markdown_table(["batch", "phaseserve tok/s", "sized pool tok/s", "transformers tok/s", "ratio (paired)",
                            "sized pool ratio", "phaseserve TTFT ms", "transformers TTFT ms", "phaseserve TPOT ms",
                            "sized pool TPOT ms", "transformers TPOT ms", "engine host % of decode loop",
-                           "greedy agreement"], rows), "",
+                           "greedy agreement", "transformers threads"], rows), "",
         f"Pools: `phaseserve` has {s['pool_pages']} pages (the `cache` config, for the largest batch); the sized "
         f"pool has exactly each batch's pages plus the null page ({s['sized_pool_pages']} by batch). Ratios are "
         "each engine arm's tokens/s over transformers', paired within a repeat.", "",
