@@ -68,24 +68,29 @@ def mla_decode_attention_reference(
     scales: jax.Array | None = None,  # f32[P, S]
     sm_scale: float,
 ) -> jax.Array:  # [B, H, r] in q_latent's dtype
-    """Plain-jnp reference: gather the listed latent pages, dequantize, mask, softmax in f32."""
+    """Plain-jnp reference: gather the listed latent pages, dequantize, mask, softmax in f32.
+
+    Laid out for XLA:CPU, where it is the decode path: pages are gathered as whole rows of a 2-D view, the
+    scores are ``x [T, r + rope] @ q^T [r + rope, H]`` per row (the transpose falls on the small query, one dot
+    over the whole latent row instead of one for ``c`` and one for ``k_rope``), and the values
+    ``p^T [H, T] @ x [T, r + rope]`` with the rope columns dropped from the result (``x`` is never sliced): the
+    same arithmetic as the textbook form, 0.39 vs 0.47 ms a layer at 32 rows x 192 tokens in a 6-layer chain."""
     b, h, r = q_latent.shape
-    p, s, _ = latent_pages.shape
-    maxp = page_table.shape[1]
-    pt = jnp.clip(page_table, 0, p - 1)
-    t = maxp * s
+    p, s, f = latent_pages.shape
+    t = page_table.shape[1] * s
+    pt = jnp.clip(page_table, 0, p - 1).reshape(-1)  # i32[B * max_pages]
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
-    x = dequantize_pages(latent_pages[pt], None if scales is None else scales[pt]).reshape(b, t, -1)
-    x = jnp.where(valid[:, :, None], x, 0.0)
-    c, k_rope = x[..., :r], x[..., r:]
+    rows = jnp.take(latent_pages.reshape(p, s * f), pt, axis=0).reshape(b, t, f)
+    x = dequantize_pages(rows, None if scales is None else jnp.take(scales, pt, axis=0).reshape(b, t))
+    x = jnp.where(valid[:, :, None], x, 0.0)  # f32[B, T, r + rope]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32).transpose(0, 2, 1)  # [B, r + rope, H]
     hi = jax.lax.Precision.HIGHEST
-    logits = (jnp.einsum("bhr,btr->bht", q_latent.astype(jnp.float32), c, precision=hi)
-              + jnp.einsum("bhk,btk->bht", q_rope.astype(jnp.float32), k_rope, precision=hi)) * sm_scale
-    logits = jnp.where(valid[:, None, :], logits, NEG_INF)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    probs = jnp.exp(logits - jnp.where(m == NEG_INF, 0.0, m))
-    out = finalize(jnp.einsum("bht,btr->bhr", probs, c, precision=hi), jnp.sum(probs, axis=-1, keepdims=True))
-    return out.astype(q_latent.dtype)
+    logits = jnp.einsum("btf,bfh->bth", x, q, precision=hi) * sm_scale  # [B, T, H]
+    logits = jnp.where(valid[:, :, None], logits, NEG_INF)
+    m = jnp.max(logits, axis=1, keepdims=True)
+    probs = jnp.exp(logits - jnp.where(m == NEG_INF, 0.0, m)).transpose(0, 2, 1)  # [B, H, T]
+    out = jnp.einsum("bht,btf->bhf", probs, x, precision=hi)[..., :r]
+    return finalize(out, jnp.sum(probs, axis=-1, keepdims=True)).astype(q_latent.dtype)
 
 
 def _check(q_latent, q_rope, latent_pages, page_table, lengths, scales):
