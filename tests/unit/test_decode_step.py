@@ -206,3 +206,16 @@ def test_sampling_greedy_skips_the_draw_and_mixed_rows_match():
     jaxpr = jax.make_jaxpr(sample)(logits, zeros, top_k, top_p, seeds, steps)
     top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
     assert "cond" in top and "sort" not in top
+
+
+def test_width_bucket_covers_the_pages_and_wastes_at_most_a_third():
+    """The decode page-table width: at least the live pages, less than a third of what attention reads is padding
+    above the floor of 4 (a power of two: up to a half), monotone, and few distinct widths (each one is a compile)."""
+    from phaseserve.engine.workers import bucket, width_bucket
+
+    widths = [width_bucket(n) for n in range(1, 1025)]
+    assert all(w >= n for n, w in enumerate(widths, 1)) and widths == sorted(widths)
+    assert all(w == 4 for w in widths[:4])
+    assert max((w - n) / w for n, w in enumerate(widths, 1) if n > 4) < 1 / 3
+    assert max((bucket(n, 4) - n) / bucket(n, 4) for n in range(5, 1025)) > 0.49  # the power-of-two rule it replaces
+    assert len(set(widths)) <= 2 * len({bucket(n, 4) for n in range(1, 1025)})
