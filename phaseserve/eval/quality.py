@@ -234,7 +234,7 @@ def intervals(rows: dict, ref: str = "float32", confidence: float = 0.95) -> dic
             def diff(*both, axis=-1, stat=stat, k=k):
                 return stat(*both[:k], axis=axis) - stat(*both[k:], axis=axis)
 
-            lo, hi = bootstrap_ci(xs, stat, confidence)
+            lo, hi = bootstrap_ci(xs, stat, confidence, paired=k > 1)  # a request's hits and total stay together
             dlo, dhi = bootstrap_ci(xs + refs, diff, confidence, paired=True)
             d = float(diff(*xs, *refs))
             out[name][metric] = {"value": float(stat(*xs)), "ci": [lo, hi], "diff": d, "diff_ci": [dlo, dhi],

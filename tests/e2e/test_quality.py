@@ -76,6 +76,21 @@ def test_intervals_flag_only_real_differences():
     assert lo < base.mean() < hi
 
 
+def test_argument_accuracy_interval_resamples_each_request_whole():
+    """Argument accuracy is hits / arguments over requests with different argument counts: its interval resamples
+    each request's (hits, total) together, so it stays inside [0, 1] and holds the value."""
+    rng = np.random.default_rng()
+    n = 64
+    total = rng.integers(1, 6, n).astype(float)
+    hits = np.where(rng.random(n) < 0.9, total, np.floor(total / 2))
+    row = {"samples": {"exact_match": list((hits == total) * 1.0), "validity": [1.0] * n, "arg_hits": list(hits),
+                       "arg_total": list(total), "nll": list(rng.normal(1.3, 0.1, 8)), "kl": [0.0] * 8,
+                       "top1": [1.0] * 8}}
+    iv = quality.intervals({"float32": row})["float32"]["argument_accuracy"]
+    lo, hi = iv["ci"]
+    assert 0.0 <= lo <= iv["value"] <= hi <= 1.0, iv
+
+
 @pytest.fixture(scope="module")
 def f32_model():
     cfg, f32 = ps.load_checkpoint(default_model_path(), "float32")
