@@ -22,6 +22,11 @@ e2e p50. On a CPU the client process, uvicorn and the engine share the machine's
 for its client's CPU time. Where the time goes, per run: the CPU seconds of the server process (engine, XLA
 threads, HTTP) and of the client process, and the engine's own counters (prefill batches, decode steps, mean
 running batch, seconds inside prefill and decode calls).
+
+``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
+to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
+the in-process one included, so both arms get the same cores and the client's CPU time no longer competes with
+the server's. ``null`` (the default) pins nothing: client and server share every core.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class HttpLoadSpec:
     headline_concurrency: int = 32  # where the overhead goal (<= 10% of in-process throughput) is judged
     coalesced_interval: int = 4  # the http-coalesced arm's tokens per streamed event (<= 1: no such arm)
     timeout_s: float = 300.0  # one client run
+    client_cpus: list[int] | None = None  # pin the client here and the server to the other CPUs (None: no pinning)
 
 
 # ---- the client process -----------------------------------------------------------------------------------
@@ -104,8 +110,32 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def client_main(conn: Any, base_url: str, model: str, timeout_s: float) -> None:
+def pin_process(cpus: set[int]) -> None:
+    """Restrict every thread of this process (and, by inheritance, the threads it starts later) to ``cpus``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def split_cpus(client_cpus: list[int] | None) -> tuple[set[int], set[int]] | None:
+    """(client CPUs, server CPUs) from ``experiment.client_cpus``: the server gets every other CPU this process may
+    use; None without pinning. Raises ValueError when either side would be empty."""
+    if not client_cpus:
+        return None
+    usable = os.sched_getaffinity(0)
+    client = set(client_cpus)
+    if not client <= usable or not usable - client:
+        raise ValueError(f"experiment.client_cpus={sorted(client)} must be a proper subset of the usable CPUs "
+                         f"{sorted(usable)} (the server keeps the rest)")
+    return client, usable - client
+
+
+def client_main(conn: Any, base_url: str, model: str, timeout_s: float, cpus: set[int] | None = None) -> None:
     """The client process: run each ``(requests, concurrency)`` job received on ``conn``; ``None`` ends it."""
+    if cpus:
+        pin_process(cpus)
     while (job := conn.recv()) is not None:
         try:
             conn.send(asyncio.run(_client_run(base_url, model, job[0], job[1], timeout_s)))
@@ -116,10 +146,10 @@ def client_main(conn: Any, base_url: str, model: str, timeout_s: float) -> None:
 class Client:
     """A spawned client process driving the server (see :func:`client_main`)."""
 
-    def __init__(self, base_url: str, model: str, timeout_s: float):
+    def __init__(self, base_url: str, model: str, timeout_s: float, cpus: set[int] | None = None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=client_main, args=(child, base_url, model, timeout_s), daemon=True)
+        self.proc = ctx.Process(target=client_main, args=(child, base_url, model, timeout_s, cpus), daemon=True)
         self.proc.start()
 
     def run(self, reqs: list[Request], concurrency: int) -> dict:
@@ -156,9 +186,10 @@ def _engine_counters(engine: Engine) -> dict:
 
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     from phaseserve.server import EngineBackend, EngineLoop, create_app
-    from phaseserve.server.launch import start_in_thread
+    from phaseserve.server.launch import http_stack, start_in_thread
 
     spec, out_dir = experiment_spec(cfg, HttpLoadSpec), Path(out_dir)
+    cpus = split_cpus(spec.client_cpus)
     env = environment()
     engine = Engine.from_hydra(cfg)
     concs = concurrencies(cfg.workload)
@@ -169,7 +200,9 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     app = create_app(EngineBackend(engine), ByteTokenizer(), spec.model_name)
     server, thread, base = start_in_thread(app)
     loop: EngineLoop = app.state.loop
-    client = Client(base, spec.model_name, spec.timeout_s)
+    if cpus is not None:
+        pin_process(cpus[1])  # every server thread: engine loop, XLA workers, uvicorn
+    client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
     arms = ARMS if spec.coalesced_interval > 1 else ARMS[:2]
     intervals = {"http": 1, "http-coalesced": spec.coalesced_interval}
     records = []
@@ -209,7 +242,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
                             "workload": to_container(cfg.workload), "repeats": spec.repeats,
-                            "coalesced_interval": spec.coalesced_interval},
+                            "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
+                            "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])}},
                "records": records, "ratio_http_over_in_process": ratios,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", "client_cpu_s", "wall_s"]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
@@ -234,6 +268,20 @@ def headline(results: dict) -> list[str]:
                      f"repeats, range {r['min']:.3f}..{r['max']:.3f}); overhead {(1 - r['median']) * 100:.1f}% -- goal "
                      f"<= 10%: {verdict}")
     return lines
+
+
+def _cpus_line(cpus: dict | None) -> str:
+    if not cpus:
+        return "CPUs: not pinned (the client process, uvicorn and the engine share every core)."
+    return (f"CPUs: the client process pinned to {cpus['client']}, every server thread (engine, XLA workers, uvicorn) "
+            f"to {cpus['server']}, in every arm (the in-process arm runs on the same cores as the server): the "
+            "client stands in for one on another machine.")
+
+
+def _stack_line(stack: dict | None) -> str:
+    if not stack:
+        return "its defaults (not recorded)"
+    return f"the {stack['loop']} event loop and the {stack['http']} parser"
 
 
 def markdown(results: dict) -> str:
@@ -262,7 +310,8 @@ def markdown(results: dict) -> str:
         "in its own process (streamed completions); in-process numbers by the engine's own clock on the same "
         "requests, run by the server's engine loop between HTTP runs. `http` streams every token as an event, "
         f"`http-coalesced` one event per {s.get('coalesced_interval')} tokens. Timed runs repeated because JAX "
-        f"compiled inside them: {sum(r.get('reruns', 0) for r in results['records'])}.",
+        f"compiled inside them: {sum(r.get('reruns', 0) for r in results['records'])}. {_cpus_line(s.get('cpus'))} "
+        f"Server: uvicorn with {_stack_line(s.get('http_stack'))}.",
         rp.markdown_table(["concurrency", "arm", "tok/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95",
                            "TPOT p99", "e2e p50", "e2e p95", "e2e p99"], rows),
         "## HTTP / in-process (paired per repeat; tok/s below 1 and times above 1 are the HTTP overhead)",

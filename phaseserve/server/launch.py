@@ -15,6 +15,7 @@ shipped default model has); a checkpoint without one is refused with a :class:`~
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import threading
@@ -87,6 +88,14 @@ def serve(cfg: DictConfig) -> None:
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend) on http://{s.host}:{s.port}/v1", flush=True)
     app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval))
     uvicorn.run(app, host=str(s.host), port=int(s.port), log_level=str(s.log_level))
+
+
+def http_stack() -> dict[str, str]:
+    """What uvicorn's ``"auto"`` settings (used by :func:`serve` and :func:`start_in_thread`) pick here: the
+    ``uvloop`` event loop and the ``httptools`` parser when they are installed (dependencies of this package), else
+    asyncio's loop and ``h11``."""
+    return {"loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+            "http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

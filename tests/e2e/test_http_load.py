@@ -1,12 +1,15 @@
 """A smoke run of the HTTP load experiment (``experiments/http_load.py``) on a tiny model: the server starts on a free
 loopback port, the official ``openai`` client in its own process drives it beside the in-process arm, every
 request of every arm completes, each record says how many timed runs were repeated because JAX compiled inside
-them, and the report and headline are written."""
+them, and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and pins every thread."""
 
 from __future__ import annotations
 
 import json
+import os
+import threading
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from phaseserve.bench import http_load
@@ -32,6 +35,40 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     ratio = res["ratio_http_over_in_process"]["http"]["output_tok_per_s"]
     r = ratio.get(2) or ratio.get("2")
     assert r["n"] == 1 and r["median"] > 0
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["http_stack"] == {
+        "loop": "uvloop", "http": "httptools"}  # installed with the package: uvicorn's fast paths
     md = (tmp_path / "README.md").read_text()
     assert "Timed runs repeated because JAX compiled inside them" in md
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
+
+
+def test_client_cpus_split_the_usable_cpus_and_pin_every_thread():
+    usable = os.sched_getaffinity(0)
+    assert http_load.split_cpus(None) is None and http_load.split_cpus([]) is None
+    with pytest.raises(ValueError, match="proper subset"):
+        http_load.split_cpus(sorted(usable))  # the server would have no CPU
+    with pytest.raises(ValueError, match="proper subset"):
+        http_load.split_cpus([max(usable) + 1])  # not a CPU this process may use
+    if len(usable) < 2:
+        return
+    first = min(usable)
+    assert http_load.split_cpus([first]) == ({first}, usable - {first})
+    started, release = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def worker():
+        tid.append(threading.get_native_id())
+        started.set()
+        release.wait(10)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait(10)
+    try:
+        http_load.pin_process({first})
+        assert os.sched_getaffinity(0) == {first} and os.sched_getaffinity(tid[0]) == {first}  # a running thread too
+    finally:
+        http_load.pin_process(usable)
+        release.set()
+        t.join()
+    assert os.sched_getaffinity(0) == usable
