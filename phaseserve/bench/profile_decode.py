@@ -19,6 +19,10 @@ rest                every other op (norms, rope, embeddings, residuals, copies)
 ==================  ============================================================================================
 
 An op without a component scope (a relayout copy of a weight, say) is counted with the component of its users.
+Control-flow ops (``while``, ``conditional``, ``call``) are not counted themselves: their trace events span the ops
+of their bodies, which are counted one by one (counting both would count a loop's body twice, as the profiles
+committed before 2026-12-02 did for the MoE dispatch's expert loop). ``--top N`` also lists the N ops that took the
+most time, by component, name scope and HLO result shape.
 Component times are op time summed over XLA's worker threads (ops of one step run on several threads at once, so
 they can add up to more than the step's wall time, which is reported beside them). Each row: a model, a batch
 size, a fixed real context (``context`` tokens per row), a pool of ``pool_factor`` x the pages the batch needs
@@ -96,8 +100,36 @@ def classify_hlo(hlo_text: str) -> dict[str, str]:
     return out
 
 
+CONTAINERS = ("while", "conditional", "call")
+_CONTAINER = re.compile(r"\s(?:" + "|".join(CONTAINERS) + r")\(%")  # the opcode, then its first operand
+
+
+def containers(hlo_text: str) -> set[str]:
+    """Names of the control-flow instructions (:data:`CONTAINERS`) of an HLO module: their trace events contain
+    their bodies' ops."""
+    out = set()
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m and _CONTAINER.search(m.group(2)):
+            out.add(m.group(1))
+    return out
+
+
+def describe_hlo(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> ``"<last name scope> <result shape>"`` (how ``--top`` names an op)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            name, rest = m.groups()
+            op = _OP_NAME.search(rest)
+            scope = op.group(1).split("/")[-1] if op else ""
+            out[name] = f"{scope} {rest.split(' ')[0]}".strip()
+    return out
+
+
 def _op_times(trace_dir: str) -> dict[str, float]:
-    """Total ns per executed op name over the XLA worker threads of one trace."""
+    """Total ns per executed op name over the XLA worker threads of one trace (every op, containers included)."""
     path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
     data = jax.profiler.ProfileData.from_file(path)
     totals: dict[str, float] = defaultdict(float)
@@ -144,8 +176,9 @@ def compiled_step(cfg: ModelConfig):
                    donate_argnums=(1,))
 
 
-def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, **kw) -> dict[str, Any]:
-    """ms per step by component (median over ``steps`` profiled steps) for one batch size."""
+def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0, **kw) -> dict[str, Any]:
+    """ms per step by component (median over ``steps`` profiled steps) for one batch size; with ``top`` > 0 also
+    ``"top ops"``: the ``top`` largest ops by mean ms per step, as ``[component, description, ms]``."""
     s = setup(cfg, batch, **kw)
     step, check = compiled_step(cfg), jax.jit(check_tags)
     args = (s["tags"], s["batch"].page_table, s["expected"], s["live"])
@@ -155,6 +188,9 @@ def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, **kw) -> dict
     comp_check = check.lower(*args).compile()
     names = {**classify_hlo(comp_check.as_text()), **classify_hlo(comp_step.as_text())}
     check_names = set(classify_hlo(comp_check.as_text()))
+    skip = containers(comp_check.as_text()) | containers(comp_step.as_text())
+    described = {**describe_hlo(comp_check.as_text()), **describe_hlo(comp_step.as_text())}
+    by_op: dict[tuple[str, str], float] = defaultdict(float)
     for _ in range(2):  # warm
         ok = check(*args)
         nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
@@ -171,12 +207,18 @@ def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, **kw) -> dict
         jax.profiler.stop_trace()
         comp = dict.fromkeys(COMPONENTS, 0.0)
         for op, ns in _op_times(d).items():
+            if op in skip:
+                continue
             c = "integrity" if op in check_names else names.get(op, "rest")
             comp[c] += ns / 1e6
+            by_op[(c, described.get(op, op))] += ns / 1e6 / steps
         comp["op time"] = sum(comp.values())
         comp["wall"] = wall
         per_step.append(comp)
-    return {k: float(np.median([p[k] for p in per_step])) for k in [*COMPONENTS, "op time", "wall"]}
+    out: dict[str, Any] = {k: float(np.median([p[k] for p in per_step])) for k in [*COMPONENTS, "op time", "wall"]}
+    if top:
+        out["top ops"] = [[c, desc, ms] for (c, desc), ms in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
+    return out
 
 
 def pool_growth(cfg: ModelConfig, batch: int, *, factor: int = 100, repeats: int = 7, **kw) -> dict[str, Any]:
@@ -219,6 +261,13 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         lines.append("| " + " | ".join([r["model"], str(r["batch"]), *(fmt(r["ms"][c], 2) for c in
                                                                       [*COMPONENTS, "op time", "wall"])]) + " |")
+    for r in result["rows"]:
+        if r.get("top_ops"):
+            lines += ["", f"### Top ops: {r['model']}, batch {r['batch']}", "",
+                      "ms per step (mean over the profiled steps, op time summed over threads) of each op, grouped by "
+                      "component, the op's last name scope and its HLO result shape (the same op of every layer "
+                      "summed).", "", "| component | op (name scope, result shape) | ms |", "|---|---|---|"]
+            lines += [f"| {c} | `{desc}` | {fmt(ms, 2)} |" for c, desc, ms in r["top_ops"]]
     if result.get("pool_growth"):
         lines += ["", "## Pool growth at a fixed real context", "",
                   "| model | batch | pages 1x | ms 1x [range] | pages 100x | ms 100x [range] | ratio |",
@@ -270,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per point (and interleaved pool-growth steps)")
     ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--top", type=int, default=0, help="also list the N ops that took the most time per point")
     ap.add_argument("--kv", default="float32", help="KV storage dtype (float32, bfloat16, float8_e4m3fn)")
     ap.add_argument("--pool-growth", action="store_true", help="also time the step with a 100x pool")
     ap.add_argument("--growth-batches", nargs="+", type=int, default=[8], help="batch sizes of --pool-growth")
@@ -285,8 +335,11 @@ def main(argv: list[str] | None = None) -> None:
         cfg = model_config(name)
         result.setdefault("params", {})[name] = param_count(init_params(cfg, jax.random.key(0)))
         for b in [] if a.growth_only else a.batches:
-            ms = profile_point(cfg, b, steps=a.steps, context=a.context, kv_dtype=a.kv)
-            result["rows"].append({"model": name, "batch": b, "ms": ms})
+            ms = profile_point(cfg, b, steps=a.steps, top=a.top, context=a.context, kv_dtype=a.kv)
+            row = {"model": name, "batch": b, "ms": ms}
+            if a.top:
+                row["top_ops"] = ms.pop("top ops")
+            result["rows"].append(row)
             print(name, b, {k: round(v, 2) for k, v in ms.items()}, flush=True)
         for b in a.growth_batches if a.pool_growth else []:
             g = pool_growth(cfg, b, repeats=a.steps, context=a.context, kv_dtype=a.kv)
