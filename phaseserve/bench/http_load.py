@@ -14,10 +14,7 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
   time (first send -> last stream end). The server sends every token as its own event (``stream_interval`` 1);
 - ``http-coalesced`` (when ``experiment.coalesced_interval`` > 1): the same, with the server sending one event per
   ``coalesced_interval`` tokens (:class:`~phaseserve.server.EngineLoop`'s ``stream_interval``; the first token and
-  the end at once): fewer events for the server to write and the client to parse;
-- ``http-window`` (when ``experiment.window_s`` > 0): ``http`` with the server's engine loop waiting up to
-  ``window_s`` after each submission for the next one before it steps (``EngineLoop.batch_wait_s``), so requests
-  the client sends close together are prefilled together.
+  the end at once): fewer events for the server to write and the client to parse.
 
 The engine's numbers use the same definitions on its own clock (``RequestMetrics``: arrival at ``add_request``).
 ``overhead`` = HTTP throughput / in-process throughput per repeat (paired), and the same ratios of TTFT, TPOT and
@@ -54,7 +51,7 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
-ARMS = ["in-process", "http", "http-coalesced", "http-window"]
+ARMS = ["in-process", "http", "http-coalesced"]
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
@@ -67,7 +64,6 @@ class HttpLoadSpec:
     model_name: str = "phaseserve-default"
     headline_concurrency: int = 32  # where the overhead goal (<= 10% of in-process throughput) is judged
     coalesced_interval: int = 4  # the http-coalesced arm's tokens per streamed event (<= 1: no such arm)
-    window_s: float = 0.0  # the http-window arm's arrival wait before a step (EngineLoop.batch_wait_s; 0: no such arm)
     timeout_s: float = 300.0  # one client run
     client_cpus: list[int] | None = None  # pin the client here and the server to the other CPUs (None: no pinning)
 
@@ -170,11 +166,10 @@ class Client:
 
 
 # ---- the experiment ---------------------------------------------------------------------------------------
-def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int, interval: int = 1,
-              batch_wait_s: float = 0.0) -> dict:
+def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int, interval: int = 1) -> dict:
     def prepare(_):
         reset_engine(engine, max_batch=c)
-        loop.stream_interval, loop.batch_wait_s = interval, batch_wait_s
+        loop.stream_interval = interval
 
     loop.run_exclusive(prepare).result()
     return client.run(reqs, c)
@@ -208,9 +203,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     if cpus is not None:
         pin_process(cpus[1])  # every server thread: engine loop, XLA workers, uvicorn
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
-    arms = [a for a in ARMS if (a != "http-coalesced" or spec.coalesced_interval > 1)
-            and (a != "http-window" or spec.window_s > 0)]
-    settings = {"http": (1, 0.0), "http-coalesced": (spec.coalesced_interval, 0.0), "http-window": (1, spec.window_s)}
+    arms = ARMS if spec.coalesced_interval > 1 else ARMS[:2]
+    intervals = {"http": 1, "http-coalesced": spec.coalesced_interval}
     records = []
     try:
         for c in concs:
@@ -222,8 +216,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                 for order, arm in enumerate(rotated(arms, rep + c)):
                     def timed(arm=arm, reqs=reqs, c=c) -> dict:
                         cpu0 = time.process_time()
-                        if arm in settings:
-                            rec = _http_run(loop, client, engine, reqs, c, *settings[arm])
+                        if arm in intervals:
+                            rec = _http_run(loop, client, engine, reqs, c, intervals[arm])
                         else:
                             rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")).result()
                         return rec | {"server_cpu_s": time.process_time() - cpu0}
@@ -248,8 +242,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
                             "workload": to_container(cfg.workload), "repeats": spec.repeats,
-                            "coalesced_interval": spec.coalesced_interval, "window_s": spec.window_s,
-                            "http_stack": http_stack(),
+                            "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
                             "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])}},
                "records": records, "ratio_http_over_in_process": ratios,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", "client_cpu_s", "wall_s"]
@@ -275,13 +268,6 @@ def headline(results: dict) -> list[str]:
                      f"repeats, range {r['min']:.3f}..{r['max']:.3f}); overhead {(1 - r['median']) * 100:.1f}% -- goal "
                      f"<= 10%: {verdict}")
     return lines
-
-
-def _window_line(window_s: float | None) -> str:
-    if not window_s:
-        return ""
-    return (f", `http-window` an event per token with the engine loop waiting up to {window_s * 1e3:g} ms after each "
-            "submission for the next one before it steps")
 
 
 def _cpus_line(cpus: dict | None) -> str:
@@ -323,8 +309,7 @@ def markdown(results: dict) -> str:
         f"{s['repeats']} repeats [min, max]; times in ms. Client numbers are measured by an `AsyncOpenAI` client "
         "in its own process (streamed completions); in-process numbers by the engine's own clock on the same "
         "requests, run by the server's engine loop between HTTP runs. `http` streams every token as an event, "
-        f"`http-coalesced` one event per {s.get('coalesced_interval')} tokens"
-        f"{_window_line(s.get('window_s'))}. Timed runs repeated because JAX "
+        f"`http-coalesced` one event per {s.get('coalesced_interval')} tokens. Timed runs repeated because JAX "
         f"compiled inside them: {sum(r.get('reruns', 0) for r in results['records'])}. {_cpus_line(s.get('cpus'))} "
         f"Server: uvicorn with {_stack_line(s.get('http_stack'))}.",
         rp.markdown_table(["concurrency", "arm", "tok/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95",

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP application (FastAPI): completions, chat completions, models, health, metrics.
 
-``create_app(backend, tokenizer, model_name, stream_interval, batch_wait_s)`` wraps an
+``create_app(backend, tokenizer, model_name, stream_interval)`` wraps an
 :class:`~phaseserve.server.loop.EngineBackend` (or a ``RouterBackend``) in an
 :class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and format, so no handler blocks the
 engine and every client's requests share its continuous batch. A stream writes one server-sent-events batch per
@@ -124,15 +124,14 @@ class Generation:
         return usage(len(self.req.prompt), len(self.text.ids))
 
 
-def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1,
-               batch_wait_s: float = 0.0) -> FastAPI:
+def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1) -> FastAPI:
     metrics = ServerMetrics(model_name)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["loop"] = app.state.loop = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step,
-                                                        stream_interval=stream_interval, batch_wait_s=batch_wait_s)
+                                                        stream_interval=stream_interval)
         yield
         state["loop"].close()
 

@@ -36,7 +36,6 @@ from typing import Any
 
 from phaseserve.engine import Request, RequestOutput
 
-BATCH_WAIT_MAX = 64  # waits of batch_wait_s after one another before a step, at most
 TOTALS = ("preemptions", "integrity_aborts", "prefix_lookup_pages", "prefix_hit_pages")
 
 
@@ -181,18 +180,13 @@ class EngineLoop:
     ``on_finish(handle)`` and ``on_step(stats)`` (optional) are called from the loop thread (metrics).
     ``stream_interval``: a request's tokens are handed over once at least this many are new (its first token, and its
     end, at once): 1 streams every token as it is made; more means fewer wake-ups and server-sent events per request
-    (each costs CPU in the server and in the client), in bursts of that many tokens.
-    ``batch_wait_s``: after a submission, wait up to this long for another before stepping (see :meth:`_drain`);
-    0 (the default) steps at once."""
+    (each costs CPU in the server and in the client), in bursts of that many tokens."""
 
-    def __init__(self, backend: Any, on_finish=None, on_step=None, stream_interval: int = 1,
-                 batch_wait_s: float = 0.0):
+    def __init__(self, backend: Any, on_finish=None, on_step=None, stream_interval: int = 1):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
-        if batch_wait_s < 0:
-            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.backend, self.on_finish, self.on_step = backend, on_finish, on_step
-        self.stream_interval, self.batch_wait_s = stream_interval, batch_wait_s
+        self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, Handle] = {}
         self._calls: list[tuple] = []  # run_exclusive calls waiting for the backend to drain
@@ -248,28 +242,13 @@ class EngineLoop:
             raise
 
     def _drain(self, block: bool) -> None:
-        """Handle everything queued (waiting up to 0.5 s for a first item when ``block``). With ``batch_wait_s`` > 0,
-        a submission is followed by a wait of up to ``batch_wait_s`` for the next one, again after each (at most
-        :data:`BATCH_WAIT_MAX` waits), before the engine steps: requests a client sends close together are
-        prefilled together, at the cost of up to that wait per request in TTFT (a dynamic batcher's queue delay)."""
-        submitted = self._take(0.5 if block else None)
-        waits = 0
-        while submitted and self.batch_wait_s > 0 and waits < BATCH_WAIT_MAX:
-            submitted = self._take(self.batch_wait_s)
-            waits += 1
-
-    def _take(self, timeout: float | None) -> bool:
-        """Handle every queued item, waiting up to ``timeout`` s for the first (None: not at all); True if one of
-        them was a submission."""
-        submitted = False
         try:
-            item = self._inbox.get(timeout=timeout) if timeout is not None else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 kind, arg = item
                 if kind == "submit":
                     arg.output = self.backend.submit(arg.request)
                     self._active[arg.request.id] = arg
-                    submitted = True
                 elif kind == "cancel":
                     self.backend.cancel(arg)
                 elif kind == "call":
@@ -277,7 +256,6 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        return submitted
 
     def _run_calls(self) -> None:
         calls, self._calls = self._calls, []
