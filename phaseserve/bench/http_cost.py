@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from phaseserve.bench.http_load import Client, pin_process, split_cpus
-from phaseserve.bench.measure import environment
+from phaseserve.bench.measure import environment, stats
+from phaseserve.bench.report import spread
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine.request import Limits, Request, RequestOutput
 from phaseserve.markdown import fmt
@@ -120,11 +121,10 @@ def measure(intervals: list[int], *, requests: int = 64, concurrency: int = 32, 
         thread.join(30)
     rows = []
     for interval, recs in runs.items():
-        per_req = [r["server_cpu_s"] / requests for r in recs]
         rows.append({"stream_interval": interval, "events_per_request": events_per_request(tokens, interval),
-                     "server_cpu_ms_per_request": _spread(np.array(per_req) * 1e3),
-                     "client_cpu_ms_per_request": _spread(np.array([r["client_cpu_s"] for r in recs]) / requests * 1e3),
-                     "wall_s": _spread(np.array([r["wall_s"] for r in recs]))})
+                     "server_cpu_ms_per_request": stats([r["server_cpu_s"] / requests * 1e3 for r in recs]),
+                     "client_cpu_ms_per_request": stats([r["client_cpu_s"] / requests * 1e3 for r in recs]),
+                     "wall_s": stats([r["wall_s"] for r in recs])})
     fit = None
     if len(rows) >= 2:
         x = np.array([r["events_per_request"] for r in rows], float)
@@ -136,10 +136,6 @@ def measure(intervals: list[int], *, requests: int = 64, concurrency: int = 32, 
                          "step_s": step_s, "repeats": repeats,
                          "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])}},
             "rows": rows, "fit": fit, "stub_steps": backend.steps}
-
-
-def _spread(a: np.ndarray) -> dict[str, float]:
-    return {"median": float(np.median(a)), "min": float(np.min(a)), "max": float(np.max(a))}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -157,8 +153,8 @@ def markdown(res: dict[str, Any]) -> str:
              "| tokens per event | writes per request | server CPU ms per request | client CPU ms per request | "
              "run wall s |", "|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['stream_interval']} | {r['events_per_request']} | {_fmt(r['server_cpu_ms_per_request'])}"
-                     f" | {_fmt(r['client_cpu_ms_per_request'])} | {_fmt(r['wall_s'])} |")
+        lines.append(f"| {r['stream_interval']} | {r['events_per_request']} | {spread(r['server_cpu_ms_per_request'])}"
+                     f" | {spread(r['client_cpu_ms_per_request'])} | {spread(r['wall_s'])} |")
     if res["fit"]:
         f = res["fit"]
         lines += ["", f"Straight line through the medians: {fmt(f['ms_per_event'] * 1e3, 3)} us of server CPU per "
@@ -166,10 +162,6 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", f"- date: {env.get('date')}", f"- machine: {env.get('machine')}, {env.get('cpu_cores')} cores",
               f"- load average at start: {env.get('load_average_1m_5m_15m')}", f"- git commit: {env.get('git_commit')}"]
     return "\n".join(lines) + "\n"
-
-
-def _fmt(d: dict[str, float]) -> str:
-    return f"{fmt(d['median'], 3)} [{fmt(d['min'], 3)}, {fmt(d['max'], 3)}]"
 
 
 def main(argv: list[str] | None = None) -> None:
