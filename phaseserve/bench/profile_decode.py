@@ -186,10 +186,11 @@ def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0,
     pool = s["pool"]
     comp_step = step.lower(s["params"], pool, s["batch"], ok).compile()
     comp_check = check.lower(*args).compile()
-    names = {**classify_hlo(comp_check.as_text()), **classify_hlo(comp_step.as_text())}
-    check_names = set(classify_hlo(comp_check.as_text()))
-    skip = containers(comp_check.as_text()) | containers(comp_step.as_text())
-    described = {**describe_hlo(comp_check.as_text()), **describe_hlo(comp_step.as_text())}
+    check_hlo, step_hlo = comp_check.as_text(), comp_step.as_text()
+    check_names = classify_hlo(check_hlo)
+    names = {**check_names, **classify_hlo(step_hlo)}
+    skip = containers(check_hlo) | containers(step_hlo)
+    described = {**describe_hlo(check_hlo), **describe_hlo(step_hlo)}
     by_op: dict[tuple[str, str], float] = defaultdict(float)
     for _ in range(2):  # warm
         ok = check(*args)

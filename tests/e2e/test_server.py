@@ -171,8 +171,8 @@ def test_chat_completion_with_a_tool_call_whose_arguments_parse_as_json(server):
                                                                             call.function.arguments)]
     assert s[-1].choices[0].finish_reason == "tool_calls"
     # a named tool_choice forces that tool: on a timer request the forced call parses; on any other request the
-    # reply still starts with the forced name (the model may then write arguments that do not parse -- about 1 in 10
-    # held-out requests forced to set_timer -- and a call that does not parse comes back as text)
+    # reply still starts with the forced name (the model may then write arguments that do not parse, and a call that
+    # does not parse comes back as text)
     timer = next(e for e in examples(64, "heldout", seed=int(time.time()) % 1000 + 1) if e.call["name"] == "set_timer")
     for request in (timer.request, ex.request):
         forced = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": request}], tools=tools,
