@@ -93,7 +93,7 @@ def measure(intervals: list[int], *, requests: int = 64, concurrency: int = 32, 
     cpus = split_cpus(client_cpus)
     backend = StubBackend(step_s)
     app = create_app(backend, ByteTokenizer(), "stub")
-    server, thread, base = start_in_thread(app)
+    server, thread, base = start_in_thread(app, keep_alive_s=300.0)  # the client keeps its connections
     if cpus is not None:
         pin_process(cpus[1])
     client = Client(base, "stub", 300.0, None if cpus is None else cpus[0])

@@ -11,7 +11,10 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
   ``AsyncOpenAI`` with ``concurrency`` streamed completions in flight (token-id prompts, ``stream_options.
   include_usage``) and measures, per request, TTFT (send -> first chunk), TPOT ((last chunk - first chunk) /
   (completion tokens - 1)) and e2e (send -> end of stream); throughput is completion tokens over the run's wall
-  time (first send -> last stream end). The server sends every token as its own event (``stream_interval`` 1);
+  time (first send -> last stream end). The client process keeps one ``AsyncOpenAI`` client for the whole
+  experiment, as a load generator keeps its session: the untimed warm-up run opens its connections and the timed
+  runs reuse them (the server keeps idle connections for ``timeout_s``). The server sends every token as its own
+  event (``stream_interval`` 1);
 - ``http-coalesced`` (when ``experiment.coalesced_interval`` > 1): the same, with the server sending one event per
   ``coalesced_interval`` tokens (:class:`~phaseserve.server.EngineLoop`'s ``stream_interval``; the first token and
   the end at once): fewer events for the server to write and the client to parse.
@@ -90,14 +93,10 @@ async def _one(client: Any, model: str, req: dict, sem: asyncio.Semaphore) -> di
             "tpot": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None, "e2e": end - sent}
 
 
-async def _client_run(base_url: str, model: str, reqs: list[dict], concurrency: int, timeout_s: float) -> dict:
-    import openai
-
+async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: int) -> dict:
     sem = asyncio.Semaphore(concurrency)  # closed loop: a new request starts when one of `concurrency` ends
     cpu0 = _cpu_s()
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=timeout_s) as client:
-        recs = await asyncio.gather(*(_one(client, model, r, sem) for r in reqs))
+    recs = await asyncio.gather(*(_one(client, model, r, sem) for r in reqs))
     wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
     out_tokens = sum(r["tokens"] for r in recs)
     return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
@@ -133,14 +132,24 @@ def split_cpus(client_cpus: list[int] | None) -> tuple[set[int], set[int]] | Non
 
 
 def client_main(conn: Any, base_url: str, model: str, timeout_s: float, cpus: set[int] | None = None) -> None:
-    """The client process: run each ``(requests, concurrency)`` job received on ``conn``; ``None`` ends it."""
+    """The client process: run each ``(requests, concurrency)`` job received on ``conn``; ``None`` ends it. One
+    ``AsyncOpenAI`` client (one connection pool, on one event loop) serves every job, as a load generator keeps
+    its session: connections opened by one run (the untimed warm-up) are reused by the next."""
+    import openai
+
     if cpus:
         pin_process(cpus)
-    while (job := conn.recv()) is not None:
-        try:
-            conn.send(asyncio.run(_client_run(base_url, model, job[0], job[1], timeout_s)))
-        except Exception as e:  # report, don't hang the parent
-            conn.send(RuntimeError(f"client run failed: {e!r}"))
+    aio = asyncio.new_event_loop()
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    try:
+        while (job := conn.recv()) is not None:
+            try:
+                conn.send(aio.run_until_complete(_client_run(client, model, job[0], job[1])))
+            except Exception as e:  # report, don't hang the parent
+                conn.send(RuntimeError(f"client run failed: {e!r}"))
+    finally:
+        aio.run_until_complete(client.close())
+        aio.close()
 
 
 class Client:
@@ -198,7 +207,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     warmup(engine, cfg.workload, max(concs), vocab)
     log(f"engine built and warmed up in {time.perf_counter() - t0:.1f}s ({engine.num_pages} pages)")
     app = create_app(EngineBackend(engine), ByteTokenizer(), spec.model_name)
-    server, thread, base = start_in_thread(app)
+    server, thread, base = start_in_thread(app, keep_alive_s=spec.timeout_s)  # connections kept between runs
     loop: EngineLoop = app.state.loop
     if cpus is not None:
         pin_process(cpus[1])  # every server thread: engine loop, XLA workers, uvicorn

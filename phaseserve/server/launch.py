@@ -106,13 +106,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_in_thread(app: Any, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0,
-                    log_level: str = "warning") -> tuple[Any, threading.Thread, str]:
+                    log_level: str = "warning", keep_alive_s: float = 5.0) -> tuple[Any, threading.Thread, str]:
     """Serve ``app`` with uvicorn in a daemon thread (tests, benchmarks); returns (server, thread, base URL).
-    Stop it with ``server.should_exit = True; thread.join()``."""
+    ``keep_alive_s``: how long an idle client connection is kept open (uvicorn's default, 5 s; a benchmark whose
+    client keeps its connections between runs sets it above the gap between them). Stop it with
+    ``server.should_exit = True; thread.join()``."""
     import uvicorn
 
     port = port or free_port(host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                timeout_keep_alive=keep_alive_s))
     thread = threading.Thread(target=server.run, name="phaseserve-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
