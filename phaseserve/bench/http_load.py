@@ -55,6 +55,7 @@ from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
 ARMS = ["in-process", "http", "http-coalesced"]
+SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
@@ -97,9 +98,11 @@ async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: in
     sem = asyncio.Semaphore(concurrency)  # closed loop: a new request starts when one of `concurrency` ends
     cpu0 = _cpu_s()
     recs = await asyncio.gather(*(_one(client, model, r, sem) for r in reqs))
-    wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
+    first_sent, last_end = min(r["sent"] for r in recs), max(r["end"] for r in recs)
+    wall = last_end - first_sent
     out_tokens = sum(r["tokens"] for r in recs)
     return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
+            "first_sent": first_sent, "last_end": last_end,
             "client_cpu_s": _cpu_s() - cpu0, **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
 
 
@@ -181,7 +184,22 @@ def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c:
         loop.stream_interval = interval
 
     loop.run_exclusive(prepare).result()
-    return client.run(reqs, c)
+    rec = client.run(reqs, c)
+    return rec | split_wall(rec, loop.run_exclusive(lambda _: list(engine.outputs.values())).result())
+
+
+def split_wall(rec: dict, outputs: list) -> dict:
+    """The HTTP arm's wall time in three parts, on one clock (``time.perf_counter`` is the system-wide monotonic
+    clock, shared by the client and server processes): ``ramp_s`` from the client's first send to the engine's
+    first arrival (client request building, connection, HTTP parsing, handler, engine-loop inbox), ``engine_wall_s``
+    from that arrival to the engine's last finish, ``tail_s`` from there to the client's last stream end; and
+    ``engine_tok_per_s``, the run's tokens over ``engine_wall_s`` -- the throughput the engine's own clock sees,
+    defined as the in-process arm's is."""
+    arrival = min(o.metrics.arrival for o in outputs)
+    finished = max(o.metrics.finished for o in outputs)
+    engine_wall = finished - arrival
+    return {"ramp_s": arrival - rec["first_sent"], "engine_wall_s": engine_wall, "tail_s": rec["last_end"] - finished,
+            "engine_tok_per_s": sum(len(o.tokens) for o in outputs) / engine_wall}
 
 
 def _engine_counters(engine: Engine) -> dict:
@@ -229,13 +247,15 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             rec = _http_run(loop, client, engine, reqs, c, intervals[arm])
                         else:
                             rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")).result()
+                            rec |= {"ramp_s": 0.0, "engine_wall_s": rec["wall_s"], "tail_s": 0.0,
+                                    "engine_tok_per_s": rec["output_tok_per_s"]}
                         return rec | {"server_cpu_s": time.process_time() - cpu0}
 
                     # a run during which JAX compiled (a prefill shape the warm-up missed) is run again
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s")} | {
-                        "client_cpu_s": rec.get("client_cpu_s", 0.0)}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT)}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
@@ -245,8 +265,9 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         client.close()
         server.should_exit = True
         thread.join(30)
-    ratios = {arm: {m: paired(records, arm, "in-process", m) for m in ("output_tok_per_s", "ttft.p50", "tpot.p50",
-                                                                       "e2e.p50")} for arm in arms[1:]}
+    ratios = {arm: {m: paired(records, arm, "in-process", m) for m in ("output_tok_per_s", "engine_tok_per_s",
+                                                                       "ttft.p50", "tpot.p50", "e2e.p50")}
+              for arm in arms[1:]}
     results = {"experiment": "http_load", "environment": env,
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
@@ -254,7 +275,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
                             "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])}},
                "records": records, "ratio_http_over_in_process": ratios,
-               "aggregate": aggregate(records, METRICS + ["server_cpu_s", "client_cpu_s", "wall_s"]
+               "aggregate": aggregate(records, METRICS + ["server_cpu_s", "client_cpu_s", "wall_s", *SPLIT]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -276,6 +297,16 @@ def headline(results: dict) -> list[str]:
         lines.append(f"{arm} throughput at concurrency {c}: {r['median']:.3f}x in-process (median of {r['n']} paired "
                      f"repeats, range {r['min']:.3f}..{r['max']:.3f}); overhead {(1 - r['median']) * 100:.1f}% -- goal "
                      f"<= 10%: {verdict}")
+        e = by_metric.get("engine_tok_per_s", {})
+        e = e.get(c) or e.get(str(c))
+        a = results["aggregate"][arm]
+        a = a.get(c) or a.get(str(c))
+        if e and e.get("median") is not None and a:
+            lines.append(f"  of which the server side (tokens over the engine's first arrival to last finish): "
+                         f"{e['median']:.3f}x [{e['min']:.3f}, {e['max']:.3f}]; the client's ramp (first send to the "
+                         f"engine's first arrival) {a['ramp_s']['median'] * 1e3:.0f} ms and tail (last finish to last "
+                         f"stream end) {a['tail_s']['median'] * 1e3:.0f} ms per run (medians), of a "
+                         f"{a['wall_s']['median']:.2f} s run")
     return lines
 
 
@@ -306,6 +337,8 @@ def markdown(results: dict) -> str:
                          *(rp.spread({k: (v * 1e3 if isinstance(v, float) else v) for k, v in a[m].items()})
                            for m in METRICS[1:])])
             where.append([c, arm, *(rp.spread(a[m]) for m in ["wall_s", "server_cpu_s", "client_cpu_s"]),
+                          *(rp.spread({k: v * 1e3 if isinstance(v, float) else v for k, v in a[m].items()})
+                            for m in ["ramp_s", "tail_s"]),
                           *(rp.spread(a[f"engine.{k}"]) for k in ENGINE_COUNTERS)])
     ratio_rows = [[c, arm, *(rp.spread(by_metric[m][c]) for m in by_metric)] for arm, by_metric in ratios.items()
                   for c in points]
@@ -326,7 +359,10 @@ def markdown(results: dict) -> str:
         "## HTTP / in-process (paired per repeat; tok/s below 1 and times above 1 are the HTTP overhead)",
         rp.markdown_table(["concurrency", "arm", *(f"{m} ratio" for m in next(iter(ratios.values())))], ratio_rows),
         "## Where the time goes (per run, medians [min, max]; CPU seconds of the server process -- engine, XLA "
-        "threads, HTTP -- and of the client process; the engine's counters; seconds inside prefill / decode calls)",
-        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", "client CPU s", *ENGINE_COUNTERS], where),
+        "threads, HTTP -- and of the client process; the client's ramp (its first send to the engine's first "
+        "arrival) and tail (the engine's last finish to the client's last stream end), on the clock both processes "
+        "share; the engine's counters; seconds inside prefill / decode calls)",
+        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", "client CPU s", "ramp ms", "tail ms",
+                           *ENGINE_COUNTERS], where),
         rp.environment_section(results["environment"]),
     ])

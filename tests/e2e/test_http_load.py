@@ -1,7 +1,8 @@
 """A smoke run of the HTTP load experiment (``experiments/http_load.py``) on a tiny model: the server starts on a free
 loopback port, the official ``openai`` client in its own process drives it beside the in-process arm, every
 request of every arm completes, each record says how many timed runs were repeated because JAX compiled inside
-them, and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and pins every thread."""
+them and splits the HTTP arm's wall time into the client's ramp, the engine's span and the tail (on the clock the
+two processes share), and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and pins every thread."""
 
 from __future__ import annotations
 
@@ -31,7 +32,16 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
         assert r["reruns"] in (0, 1) and r["server_cpu_s"] > 0
-    assert all(r["client_cpu_s"] > 0 for r in records if r["arm"] != "in-process")
+    for r in records:
+        if r["arm"] == "in-process":
+            assert r["ramp_s"] == r["tail_s"] == 0 and r["engine_tok_per_s"] == r["output_tok_per_s"]
+            continue
+        assert r["client_cpu_s"] > 0
+        # one clock across the two processes: the client sends before the engine sees the first request, and the
+        # engine finishes before the client reads the last stream end; the three parts make up the client's wall
+        assert 0 < r["ramp_s"] < r["wall_s"] and 0 < r["tail_s"] < r["wall_s"], r
+        assert abs(r["ramp_s"] + r["engine_wall_s"] + r["tail_s"] - r["wall_s"]) < 1e-6
+        assert r["engine_tok_per_s"] > r["output_tok_per_s"]
     ratio = res["ratio_http_over_in_process"]["http"]["output_tok_per_s"]
     r = ratio.get(2) or ratio.get("2")
     assert r["n"] == 1 and r["median"] > 0
@@ -40,6 +50,7 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     md = (tmp_path / "README.md").read_text()
     assert "Timed runs repeated because JAX compiled inside them" in md
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
+    assert any(line.startswith("  of which the server side") for line in lines)
 
 
 def test_client_cpus_split_the_usable_cpus_and_pin_every_thread():
