@@ -244,6 +244,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the vector / matrix extensions a CPU report names
+
+
+def cpu_detail() -> str:
+    """What tells two CPUs of the same model name apart (cloud machines all say "Intel(R) Xeon(R) Processor"):
+    family / model / stepping, the L3 cache and which of :data:`ISA_FLAGS` it has, from ``lscpu``; "" if unknown."""
+    info = {}
+    for line in _cmd(["lscpu"]).splitlines():
+        key, _, value = line.partition(":")
+        info[key.strip().lower()] = value.strip()
+    if not info:
+        return ""
+    flags = set(info.get("flags", "").split())
+    family, model, stepping = (info.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    parts = [f"family {family} model {model} stepping {stepping}"]
+    if info.get("l3 cache"):
+        parts.append(f"L3 {info['l3 cache']}")
+    parts.append(" ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2")
+    return ", ".join(parts)
+
+
 def environment() -> dict:
     """Where and when a result was measured."""
     import hydra
@@ -254,6 +275,7 @@ def environment() -> dict:
     return {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": cpu_model(),
+        "cpu_detail": cpu_detail(),
         "cpu_cores": os.cpu_count(),
         "load_average_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
         "platform": platform.platform(),

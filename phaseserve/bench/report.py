@@ -94,7 +94,9 @@ def environment_section(env: dict) -> str:
     return "\n".join([
         "## Environment", "",
         f"- date: {env.get('date')}",
-        f"- machine: {env.get('machine')}, {env.get('cpu_cores')} cores; accelerator: {acc}",
+        f"- machine: {env.get('machine')}"
+        + (f" ({env['cpu_detail']})" if env.get("cpu_detail") else "")
+        + f", {env.get('cpu_cores')} cores; accelerator: {acc}",
         f"- load average at start (1m, 5m, 15m): {env.get('load_average_1m_5m_15m')} on {env.get('cpu_cores')} cores "
         "(the machine is shared with other work: absolute times are noisy, paired ratios less so; every record in "
         "results.json carries the 1-minute load average when it ran)",

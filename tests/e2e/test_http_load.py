@@ -2,7 +2,8 @@
 loopback port, the official ``openai`` client in its own process drives it beside the in-process arm, every
 request of every arm completes, each record says how many timed runs were repeated because JAX compiled inside
 them and splits the HTTP arm's wall time into the client's ramp, the engine's span and the tail (on the clock the
-two processes share), and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and pins every thread."""
+two processes share), and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and
+pins every thread."""
 
 from __future__ import annotations
 

@@ -288,6 +288,20 @@ def test_environment_record():
     env = measure.environment()
     assert env["machine"] and env["jax"] == __import__("jax").__version__ and env["cpu_cores"] >= 1
     assert len(env["load_average_1m_5m_15m"]) == 3 and env["date"][:2] == "20"
+    env["cpu_detail"] = "family 6 model 207 stepping 2"  # whatever this machine's lscpu says (test below)
+    assert f"Processor (family 6 model 207 stepping 2), {env['cpu_cores']} cores" in rp.environment_section(
+        env | {"machine": "Processor"})
+
+
+def test_cpu_detail_names_the_cache_and_vector_extensions(monkeypatch):
+    lscpu = ("Model name:  Intel(R) Xeon(R) Processor\nCPU family:  6\nModel:  207\nStepping:  2\n"
+             "Flags:  fpu sse avx2 avx512f amx_tile\nL3 cache:  260 MiB (1 instance)\n")
+    monkeypatch.setattr(measure, "_cmd", lambda argv: lscpu)
+    assert measure.cpu_detail() == "family 6 model 207 stepping 2, L3 260 MiB (1 instance), avx2 avx512f"
+    monkeypatch.setattr(measure, "_cmd", lambda argv: "Model name: x\nFlags: fpu sse\n")
+    assert measure.cpu_detail() == "family ? model ? stepping ?, no AVX2"
+    monkeypatch.setattr(measure, "_cmd", lambda argv: "")
+    assert measure.cpu_detail() == ""
 
 
 def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
