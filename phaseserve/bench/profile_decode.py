@@ -176,41 +176,32 @@ def compiled_step(cfg: ModelConfig):
                    donate_argnums=(1,))
 
 
-def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0, **kw) -> dict[str, Any]:
-    """ms per step by component (median over ``steps`` profiled steps) for one batch size; with ``top`` > 0 also
-    ``"top ops"``: the ``top`` largest ops by mean ms per step, as ``[component, description, ms]``."""
-    s = setup(cfg, batch, **kw)
-    step, check = compiled_step(cfg), jax.jit(check_tags)
-    args = (s["tags"], s["batch"].page_table, s["expected"], s["live"])
-    ok = check(*args)
-    pool = s["pool"]
-    comp_step = step.lower(s["params"], pool, s["batch"], ok).compile()
-    comp_check = check.lower(*args).compile()
-    check_hlo, step_hlo = comp_check.as_text(), comp_step.as_text()
-    check_names = classify_hlo(check_hlo)
-    names = {**check_names, **classify_hlo(step_hlo)}
-    skip = containers(check_hlo) | containers(step_hlo)
-    described = {**describe_hlo(check_hlo), **describe_hlo(step_hlo)}
+def op_profile(run, hlos: list[tuple[str, str | None]], *, steps: int, top: int = 0) -> dict[str, Any]:
+    """ms per step by component (median over ``steps`` traced calls of ``run()``, which runs one step and blocks)
+    for the compiled modules ``hlos``: ``(HLO text, component)`` where a component (e.g. "integrity" for the tag
+    check's own launch) takes every op of that module, None classifies its ops by name scope (:func:`classify_hlo`).
+    Control-flow ops are skipped (their bodies are counted). With ``top`` > 0 also ``"top ops"``: the ``top``
+    largest ops by mean ms per step, as ``[component, description, ms]``."""
+    names: dict[str, str] = {}
+    skip: set[str] = set()
+    described: dict[str, str] = {}
+    for text, forced in sorted(hlos, key=lambda h: h[1] is not None):  # a forced module's op names win a clash
+        classified = classify_hlo(text)
+        names.update({op: forced or comp for op, comp in classified.items()})
+        skip |= containers(text)
+        described.update(describe_hlo(text))
     by_op: dict[tuple[str, str], float] = defaultdict(float)
-    for _ in range(2):  # warm
-        ok = check(*args)
-        nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
-        nxt.block_until_ready()
     per_step: list[dict[str, float]] = []
     for _ in range(steps):
         d = tempfile.mkdtemp()
         jax.profiler.start_trace(d)
-        t0 = time.perf_counter()
-        ok = check(*args)
-        nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
-        nxt.block_until_ready()
-        wall = (time.perf_counter() - t0) * 1e3
+        wall = run()
         jax.profiler.stop_trace()
         comp = dict.fromkeys(COMPONENTS, 0.0)
         for op, ns in _op_times(d).items():
             if op in skip:
                 continue
-            c = "integrity" if op in check_names else names.get(op, "rest")
+            c = names.get(op, "rest")
             comp[c] += ns / 1e6
             by_op[(c, described.get(op, op))] += ns / 1e6 / steps
         comp["op time"] = sum(comp.values())
@@ -220,6 +211,28 @@ def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0,
     if top:
         out["top ops"] = [[c, desc, ms] for (c, desc), ms in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
     return out
+
+
+def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0, **kw) -> dict[str, Any]:
+    """ms per decode step by component (:func:`op_profile`) for one batch size, the tag check's launch included."""
+    s = setup(cfg, batch, **kw)
+    step, check = compiled_step(cfg), jax.jit(check_tags)
+    args = (s["tags"], s["batch"].page_table, s["expected"], s["live"])
+    ok = check(*args)
+    state = {"pool": s["pool"]}
+    hlos = [(check.lower(*args).compile().as_text(), "integrity"),
+            (step.lower(s["params"], state["pool"], s["batch"], ok).compile().as_text(), None)]
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        ok = check(*args)
+        nxt, state["pool"], _ = step(s["params"], state["pool"], s["batch"], ok)
+        nxt.block_until_ready()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(2):  # warm
+        run()
+    return op_profile(run, hlos, steps=steps, top=top)
 
 
 def pool_growth(cfg: ModelConfig, batch: int, *, factor: int = 100, repeats: int = 7, **kw) -> dict[str, Any]:
@@ -310,6 +323,14 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(out: str | Path, result: dict[str, Any], md: str) -> None:
+    """``out``.json (the result) and ``out``.md (its report), folders made as needed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(md)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
@@ -347,10 +368,7 @@ def main(argv: list[str] | None = None) -> None:
             result["pool_growth"].append({"model": name, "batch": b, **g})
             print(name, "pool growth", b, g, flush=True)
     result["environment_end_load"] = [round(x, 2) for x in __import__("os").getloadavg()]
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    write(a.out, result, markdown(result))
 
 
 if __name__ == "__main__":

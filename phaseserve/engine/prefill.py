@@ -59,15 +59,18 @@ class PoolContext:
 
     def __call__(self, i: int, kv: Any) -> Any:
         b = self.batch
-        self.layers[i] = write_layer(self.layers[i], kv, b.page_table, b.positions, b.valid)
-        return gather_layer(self.layers[i], b.page_table, self.dtype)
+        with jax.named_scope("page_write"):
+            self.layers[i] = write_layer(self.layers[i], kv, b.page_table, b.positions, b.valid)
+        with jax.named_scope("attention"):  # the keys read back for the chunk's attention, as decode's gather
+            return gather_layer(self.layers[i], b.page_table, self.dtype)
 
 
 def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBatch) -> tuple[jax.Array, PagePool]:
     """One chunk per row (see the module docstring): (sampled i32[B], the prefill pool with the chunks written)."""
     ctx = PoolContext(pool, batch, params.embed.dtype)
     logits, _ = prefill(params, cfg, batch.tokens, batch.lengths, batch.positions, logits_at=batch.last, context=ctx)
-    first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
+    with jax.named_scope("sampling"):
+        first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
     return first, pool.replace(layers=tuple(ctx.layers))
 
 

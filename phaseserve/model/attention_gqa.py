@@ -41,7 +41,8 @@ def forward(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     cached KV with the chunk's own written in); ``lengths`` then counts the valid keys."""
     q, k, v = project_qkv(p, cfg, x, positions)
     kc, vc = (k, v) if context is None else context((k, v))
-    out = attention(q, kc, vc, positions, lengths, softmax_scale(cfg))
+    with jax.named_scope("attention"):
+        out = attention(q, kc, vc, positions, lengths, softmax_scale(cfg))
     return output(p, out), (k, v)
 
 

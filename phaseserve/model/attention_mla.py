@@ -92,8 +92,9 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
         elif selection is None:
             raise ValueError("a DSA layer without indexer weights ('shared') needs the previous layer's selection")
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-        o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx_lat, positions, lengths,
-                                                  softmax_scale(cfg), index=index, selection=selection)
+        with jax.named_scope("attention"):
+            o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx_lat, positions, lengths,
+                                                      softmax_scale(cfg), index=index, selection=selection)
         v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
         return output(p, v), kv, selection
     k_nope = jnp.einsum("btr,rhn->bthn", c, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -101,7 +102,8 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
-    out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
+    with jax.named_scope("attention"):
+        out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
     return output(p, out), kv, None
 
 

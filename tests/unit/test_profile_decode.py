@@ -1,6 +1,7 @@
-"""The decode-step profiler (``phaseserve.bench.profile_decode``): control-flow ops are not counted on top of their
-bodies' ops (a loop's trace event spans its body's events), and a profile of a small MoE model's step attributes
-time to attention and the MoE dispatch, with the largest ops listed."""
+"""The decode- and prefill-step profilers (``phaseserve.bench.profile_decode`` / ``profile_prefill``): control-flow
+ops are not counted on top of their bodies' ops (a loop's trace event spans its body's events), and a profile of a
+small MoE model's decode step (and prefill chunk step) attributes time to attention and the MoE dispatch (and the
+prefill side's page writes and sampling), with the largest ops listed."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def test_profile_point_splits_a_small_moe_step_by_component_without_containers()
     assert 0 < len(top) <= 8 and [t[2] for t in top] == sorted((t[2] for t in top), reverse=True)
     assert all(c in P.COMPONENTS and not desc.startswith("while") for c, desc, _ in top)
     assert np.isfinite(ms["wall"]) and ms["wall"] > 0
+
+
+def test_prefill_profile_splits_a_small_moe_chunk_step_by_component(tmp_path):
+    from phaseserve.bench import profile_prefill
+
+    ms = profile_prefill.profile_point(MLA, 2, 8, steps=2, top=6, page_size=4)
+    # the prefill side's scopes: the flash prefill, the chunk's KV written into its pages, the first token sampled
+    assert ms["attention"] > 0 and ms["MoE dispatch"] > 0 and ms["dense projections"] > 0
+    assert ms["page writes"] > 0 and ms["sampling"] > 0 and ms["integrity"] == 0
+    assert abs(sum(ms[c] for c in P.COMPONENTS) - ms["op time"]) < 1e-9 and ms["wall"] > 0
+    top = ms.pop("top ops")
+    md = profile_prefill.markdown({"label": "t", "environment": {"load_average_1m_5m_15m": [0, 0, 0]},
+                                   "rows": [{"model": "mla", "batch": 2, "chunk": 8, "ms": ms, "top_ops": top}]})
+    assert "| mla | 2 | 8 | 16 |" in md and "### Top ops: mla, 2 x 8 tokens" in md
