@@ -295,23 +295,27 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """Markdown: each (model, batch) row of two profiles side by side, ms per step ``before -> after``."""
-    b_rows = {(r["model"], r["batch"]): r["ms"] for r in before["rows"]}
+    """Markdown: each (model, batch[, chunk]) row of two profiles side by side, ms per step ``before -> after``
+    (decode profiles, or prefill ones from ``profile_prefill``, whose rows also carry ``chunk``)."""
+    point = ["batch", "chunk"] if "chunk" in after["rows"][0] else ["batch"]
+    b_rows = {(r["model"], *(r[c] for c in point)): r["ms"] for r in before["rows"]}
     keys = [*COMPONENTS, "op time", "wall"]
-    lines = [f"# Decode step profile: {before['label']} -> {after['label']}", "",
+    step = "Prefill chunk step" if "chunk" in point else "Decode step"
+    lines = [f"# {step} profile: {before['label']} -> {after['label']}", "",
              "ms per step by component (op time summed over XLA's threads; `wall` is the step's wall time), "
              "before -> after, from the two committed JSON files; grouping rules in "
              "`phaseserve/bench/profile_decode.py`. Load average at start: before "
              f"{before['environment']['load_average_1m_5m_15m']}, after "
              f"{after['environment']['load_average_1m_5m_15m']} on {after['environment']['cpu_cores']} cores "
              "(a shared machine: absolute times move with the load).",
-             "", "| model | batch | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 2)]
+             "", f"| model | {' | '.join(point)} | " + " | ".join(keys) + " |",
+             "|" + "---|" * (len(keys) + 1 + len(point))]
     for r in after["rows"]:
-        old = b_rows.get((r["model"], r["batch"]))
+        old = b_rows.get((r["model"], *(r[c] for c in point)))
         if old is None:
             continue
         cells = [f"{fmt(old[k], 2)} -> {fmt(r['ms'][k], 2)}" for k in keys]
-        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['model']} | " + " | ".join(str(r[c]) for c in point) + " | " + " | ".join(cells) + " |")
     growth = {g["model"]: g for g in before.get("pool_growth", [])}
     if after.get("pool_growth"):
         lines += ["", f"Pool 100x at a fixed real context ({after['kv']} KV; step ms ratio 100x / 1x, median of the "

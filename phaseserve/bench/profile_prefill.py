@@ -15,6 +15,7 @@ profiled steps, ms per step); ``wall`` is the step's wall time. The batch x chun
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 from phaseserve.bench.measure import environment
-from phaseserve.bench.profile_decode import COMPONENTS, MODELS, model_config, op_profile, write
+from phaseserve.bench.profile_decode import COMPONENTS, MODELS, compare, model_config, op_profile, write
 from phaseserve.cache.paged import as_stored, init_pool
 from phaseserve.config import ModelConfig
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
@@ -106,7 +107,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="BATCHxCHUNK: prompts per step and tokens per prompt")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=0, help="also list the N ops that took the most time per point")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="write OUT.md comparing two profile JSON files instead of profiling")
     a = ap.parse_args(argv)
+    if a.compare:
+        before, after = (json.loads(Path(f).read_text()) for f in a.compare)
+        Path(a.out).with_suffix(".md").write_text(compare(before, after))
+        return
     result: dict[str, Any] = {"label": a.label or Path(a.out).name, "environment": environment(), "rows": []}
     for name in a.models:
         cfg = model_config(name)

@@ -1,7 +1,7 @@
 """The decode step's cost paths: expert dispatch choice (blocked = ragged = dense, plain and quantized, skewed
-routing), the compiled step holding no pool-sized copy or conversion for any KV dtype (HLO check), the rows' page
-view the CPU attention reads through (same output as the whole pool, integrity-masked and out-of-range rows
-included), and greedy sampling skipping the sort."""
+routing, the capacity part with and without overflow), the compiled step holding no pool-sized copy or conversion
+for any KV dtype (HLO check), the rows' page view the CPU attention reads through (same output as the whole pool,
+integrity-masked and out-of-range rows included), and greedy sampling skipping the sort."""
 
 from __future__ import annotations
 
@@ -61,11 +61,26 @@ def test_blocked_experts_skewed_routing(n):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cap", [1, 3, 16, 200])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_blocked_experts_capacity_part(cap, skewed):
+    """The batched capacity part with and without overflow into the blocks (cap 1 and 3: most assignments overflow;
+    16: some experts do; 200: none, the block loop runs zero times): the same output as every expert on every
+    token."""
+    n = 70
+    p, x, w, idx = _moe_inputs(MLA, n, seed=cap)
+    if skewed:
+        idx = jnp.stack([jnp.zeros(n, jnp.int32), jnp.where(jnp.arange(n) % 3 == 0, 6, 2)], axis=1)
+    np.testing.assert_allclose(M.blocked_experts(p, MLA, x, w, idx, cap=cap)[0], M.dense_experts(p, MLA, x, w, idx)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_blocked_experts_int4_weights():
     p, x, w, idx = _moe_inputs(MLA, 2, seed=7)
     q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
-    np.testing.assert_allclose(M.blocked_experts(q, MLA, x, w, idx)[0], M.dense_experts(q, MLA, x, w, idx)[0],
-                               rtol=1e-5, atol=1e-5)
+    for cap in (0, 1):  # blocks only; capacity part and blocks
+        np.testing.assert_allclose(M.blocked_experts(q, MLA, x, w, idx, cap=cap)[0],
+                                   M.dense_experts(q, MLA, x, w, idx)[0], rtol=1e-5, atol=1e-5)
     # the quantized weights are really used: the result differs from the float weights'
     assert not np.allclose(M.blocked_experts(q, MLA, x, w, idx)[0], M.blocked_experts(p, MLA, x, w, idx)[0],
                            atol=1e-6)
@@ -77,6 +92,7 @@ def test_choose_dispatch():
     assert M.choose_dispatch(1, MLA, "gpu") is M.ragged_experts
     assert M.choose_dispatch(1, MLA, "tpu") is M.ragged_experts
     assert [M.block_rows(m, 16) for m in (2, 64, 8192)] == [4, 8, 128]
+    assert [M.capacity_rows(m, 16) for m in (64, 1023, 1024, 8192)] == [0, 0, 80, 640]
 
 
 def _batch(cfg, b, pages_per_row, num_pages, rng):
@@ -219,3 +235,14 @@ def test_width_bucket_covers_the_pages_and_wastes_at_most_a_third():
     assert max((w - n) / w for n, w in enumerate(widths, 1) if n > 4) < 1 / 3
     assert max((bucket(n, 4) - n) / bucket(n, 4) for n in range(5, 1025)) > 0.49  # the power-of-two rule it replaces
     assert len(set(widths)) <= 2 * len({bucket(n, 4) for n in range(1, 1025)})
+
+
+def test_moe_dispatch_benchmark_point():
+    """The side-by-side benchmark of the capacity part: both arms timed every repeat, the same output, and the
+    capacity arm really uses the capacity part at this size (cap > 0) while the blocks arm does not."""
+    from phaseserve.bench import moe_dispatch
+
+    r = moe_dispatch.measure(MLA, 300, repeats=2)
+    assert r["cap"] == M.capacity_rows(600, MLA.num_experts) > 0 and r["moe_layers"] == 1
+    assert len(r["ms"]["blocks"]) == len(r["ms"]["capacity"]) == len(r["ratio"]) == 2
+    assert all(t > 0 for t in r["ms"]["blocks"] + r["ms"]["capacity"]) and r["rel_diff"] < 1e-5

@@ -66,3 +66,16 @@ def test_prefill_profile_splits_a_small_moe_chunk_step_by_component(tmp_path):
     md = profile_prefill.markdown({"label": "t", "environment": {"load_average_1m_5m_15m": [0, 0, 0]},
                                    "rows": [{"model": "mla", "batch": 2, "chunk": 8, "ms": ms, "top_ops": top}]})
     assert "| mla | 2 | 8 | 16 |" in md and "### Top ops: mla, 2 x 8 tokens" in md
+
+
+def test_compare_pairs_prefill_rows_by_batch_and_chunk():
+    def profile(label, wall):
+        rows = [{"model": "m", "batch": 8, "chunk": c, "ms": {**dict.fromkeys(P.COMPONENTS, 1.0), "op time": 7.0,
+                                                               "wall": wall * c}} for c in (64, 128)]
+        return {"label": label, "environment": {"load_average_1m_5m_15m": [0, 0, 0], "cpu_cores": 2}, "rows": rows}
+
+    md = P.compare(profile("before", 1.0), profile("after", 0.5))
+    assert md.startswith("# Prefill chunk step profile: before -> after")
+    assert "| model | batch | chunk |" in md
+    assert "| m | 8 | 64 |" in md and md.count("| m | 8 |") == 2
+    assert "128 -> 64 |" in md  # the 8 x 128 row's wall, paired with its own chunk, not the 8 x 64 one's

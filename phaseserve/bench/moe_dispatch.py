@@ -1,0 +1,105 @@
+"""The CPU's MoE dispatch with and without its batched capacity part, side by side (``model.moe.blocked_experts``).
+
+A chain of a model's MoE layers (routing, routed and shared experts, the residual added between layers; one jit
+per arm) runs on ``tokens`` random rows per point, the two arms interleaved in every repeat with the order
+alternating: ``blocks`` (``cap=0``: every assignment through the loop over one-expert blocks, the dispatch at
+decode sizes) and ``capacity`` (the default ``cap = moe.capacity_rows(...)``: each expert's first ``cap``
+assignments in one batched FFN over all experts, the overflow through the blocks). Reports ms per chain (median
+[min, max]), the per-repeat ratio capacity / blocks, and the largest difference of the two outputs relative to the
+output's scale (the arms differ only in where each assignment's FFN runs).
+
+    python -m phaseserve.bench.moe_dispatch --out benchmarks/engine/moe_dispatch/xeon_260mb
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from phaseserve.bench.measure import environment
+from phaseserve.bench.profile_decode import MODELS, model_config, write
+from phaseserve.bench.report import environment_section, markdown_table
+from phaseserve.config import ModelConfig
+from phaseserve.model import moe as M
+from phaseserve.model.params import MoEParams, init_params
+
+
+def chain(cfg: ModelConfig, cap: int | None):
+    """jit(moes, x [N, D]) -> x [N, D] through every MoE layer with ``blocked_experts(..., cap=cap)``."""
+
+    def dispatch(p, c, x, w, idx):
+        return M.blocked_experts(p, c, x, w, idx, cap=cap)
+
+    @jax.jit
+    def run(moes: list[MoEParams], x: jax.Array) -> jax.Array:
+        for p in moes:
+            x = x + M.moe(p, cfg, x, dispatch)[0]
+        return x
+
+    return run
+
+
+def measure(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) -> dict[str, Any]:
+    """One point: both arms on the same ``tokens`` random rows, interleaved ``repeats`` times (after a warm-up)."""
+    moes = [layer.mlp for layer in init_params(cfg, jax.random.key(seed)).layers if isinstance(layer.mlp, MoEParams)]
+    x = jax.random.normal(jax.random.key(seed + tokens), (tokens, cfg.hidden_size))
+    arms = {"blocks": chain(cfg, 0), "capacity": chain(cfg, None)}
+    outs = {name: np.asarray(f(moes, x)) for name, f in arms.items()}
+    ms: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(repeats):
+        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+            t = time.perf_counter()
+            arms[name](moes, x).block_until_ready()
+            ms[name].append(1e3 * (time.perf_counter() - t))
+    ratio = [c / b for c, b in zip(ms["capacity"], ms["blocks"], strict=True)]
+    scale = float(np.max(np.abs(outs["blocks"])))
+    return {"tokens": tokens, "cap": M.capacity_rows(tokens * cfg.num_experts_per_tok, cfg.num_experts),
+            "block_rows": M.block_rows(tokens * cfg.num_experts_per_tok, cfg.num_experts), "moe_layers": len(moes),
+            "ms": ms, "ratio": ratio, "rel_diff": float(np.max(np.abs(outs["capacity"] - outs["blocks"]))) / scale}
+
+
+def _med(v: list[float]) -> str:
+    return f"{np.median(v):.3g} [{min(v):.3g}, {max(v):.3g}]"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = [[r["model"], r["tokens"], r["cap"], r["block_rows"], _med(r["ms"]["blocks"]), _med(r["ms"]["capacity"]),
+             _med(r["ratio"]), f"{r['rel_diff']:.1e}"] for r in result["rows"]]
+    return "\n".join([
+        f"# MoE dispatch on the CPU: blocks only vs capacity part plus blocks ({result['label']})", "",
+        __doc__.split("\n\n")[1].replace("\n", " "), "",
+        f"{result['repeats']} interleaved repeats per point; ms per chain of the model's MoE layers; ratio < 1: the "
+        "capacity part is faster. `cap`: capacity rows per expert the default picks (0: it runs the blocks only); "
+        "`bt`: rows per block.", "",
+        markdown_table(["model", "tokens", "cap", "bt", "blocks ms", "capacity ms", "capacity / blocks",
+                        "max rel. diff"], rows), "",
+        environment_section(result["environment"]), "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[32, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--repeats", type=int, default=9)
+    a = ap.parse_args(argv)
+    result: dict[str, Any] = {"label": a.label or a.out.rstrip("/").split("/")[-1], "repeats": a.repeats,
+                              "environment": environment(), "rows": []}
+    for name in a.models:
+        cfg = model_config(name)
+        for n in a.tokens:
+            row = {"model": name, "load_average_1m": os.getloadavg()[0], **measure(cfg, n, a.repeats)}
+            result["rows"].append(row)
+            print(name, n, "cap", row["cap"], "ratio", _med(row["ratio"]), flush=True)
+    write(a.out, result, markdown(result))
+
+
+if __name__ == "__main__":
+    main()
