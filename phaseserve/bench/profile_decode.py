@@ -143,6 +143,16 @@ def _op_times(trace_dir: str) -> dict[str, float]:
     return totals
 
 
+def random_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype: str, key: jax.Array) -> Any:
+    """A page pool filled with random values (never zeros): N(0, 0.25), plus one on FP8 scales (kept positive)."""
+    pool = init_pool(cfg, num_pages, page_size, kv_dtype)
+    leaves, tree = jax.tree.flatten(pool)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [as_stored(jax.random.normal(k, x.shape) * 0.5
+                                               + (1.0 if x.ndim <= 3 and kv_dtype.startswith("float8") else 0.0),
+                                               x.dtype) for k, x in zip(keys, leaves, strict=True)])
+
+
 def setup(cfg: ModelConfig, batch: int, *, context: int = 160, page_size: int = 16, pool_factor: int = 1,
           kv_dtype: str = "float32", seed: int = 0) -> dict[str, Any]:
     """Params, a random-filled pool and one decode batch whose rows each hold ``context`` cached tokens."""
@@ -150,13 +160,7 @@ def setup(cfg: ModelConfig, batch: int, *, context: int = 160, page_size: int = 
     params = init_params(cfg, key, "float32")
     per_row = -(-(context + 1) // page_size)
     num_pages = 1 + batch * per_row * pool_factor
-    pool = init_pool(cfg, num_pages, page_size, kv_dtype)
-    leaves, tree = jax.tree.flatten(pool)
-    keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
-    leaves = [as_stored(jax.random.normal(k, x.shape) * 0.5
-                        + (1.0 if x.ndim <= 3 and kv_dtype.startswith("float8") else 0.0), x.dtype)
-              for k, x in zip(keys, leaves, strict=True)]
-    pool = jax.tree.unflatten(tree, leaves)
+    pool = random_pool(cfg, num_pages, page_size, kv_dtype, jax.random.fold_in(key, 1))
     rng = np.random.default_rng(seed)
     pages = rng.permutation(np.arange(1, num_pages))[: batch * per_row].reshape(batch, per_row).astype(np.int32)
     b = DecodeBatch(tokens=rng.integers(0, cfg.vocab_size, batch).astype(np.int32),

@@ -24,8 +24,7 @@ import jax
 import numpy as np
 
 from phaseserve.bench.measure import environment
-from phaseserve.bench.profile_decode import COMPONENTS, MODELS, compare, model_config, op_profile, write
-from phaseserve.cache.paged import as_stored, init_pool
+from phaseserve.bench.profile_decode import COMPONENTS, MODELS, compare, model_config, op_profile, random_pool, write
 from phaseserve.config import ModelConfig
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
 from phaseserve.markdown import fmt
@@ -38,11 +37,7 @@ def setup(cfg: ModelConfig, batch: int, chunk: int, *, page_size: int = 16, seed
     key = jax.random.key(seed)
     params = init_params(cfg, key, "float32")
     per_row = -(-chunk // page_size)
-    pool = init_pool(cfg, 1 + batch * per_row, page_size, "float32")
-    leaves, tree = jax.tree.flatten(pool)
-    keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
-    pool = jax.tree.unflatten(tree, [as_stored(jax.random.normal(k, x.shape) * 0.5, x.dtype)
-                                     for k, x in zip(keys, leaves, strict=True)])
+    pool = random_pool(cfg, 1 + batch * per_row, page_size, "float32", jax.random.fold_in(key, 1))
     rng = np.random.default_rng(seed)
     pages = rng.permutation(np.arange(1, 1 + batch * per_row)).reshape(batch, per_row).astype(np.int32)
     b = ChunkBatch(tokens=rng.integers(0, cfg.vocab_size, (batch, chunk)).astype(np.int32),
