@@ -29,6 +29,7 @@ assignments) and the dropped fraction, which training uses for auxiliary-loss-fr
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from phaseserve.config import ModelConfig
 from phaseserve.kernel_mesh import matmul_kernels_requested
 from phaseserve.model.layers import mlp
 from phaseserve.model.params import MoEParams
-from phaseserve.qarrays import dequantize, grouped_dense
+from phaseserve.qarrays import dequantize, grouped_dense, is_quantized
 
 
 def route(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -91,15 +92,25 @@ def block_rows(num_assignments: int, num_experts: int) -> int:
 
 CAPACITY_MIN_MEAN = 64  # mean assignments per expert from which the CPU dispatch adds the capacity part
 CAPACITY_FACTOR = 1.25  # capacity rows per expert over the mean (rounded up to a multiple of 8)
+CAPACITY_MAX_BYTES = 256 << 20  # the most expert-weight bytes the capacity part may materialize (dequantized)
 
 
 def capacity_rows(num_assignments: int, num_experts: int) -> int:
     """Rows per expert of :func:`blocked_experts`' batched capacity part: 0 (blocks only) below
     ``CAPACITY_MIN_MEAN`` mean assignments per expert, else ``CAPACITY_FACTOR`` times the mean, rounded up to a
-    multiple of 8. On the ~15M shape (E=16, k=2, XLA:CPU) five MoE layers took 74 vs 95 ms at 1024 tokens and 199 vs
-    245 ms at 4096 with the capacity part, and no gain below ~256 tokens, where the blocks alone are as fast."""
+    multiple of 8. Side by side on XLA:CPU (``python -m phaseserve.bench.moe_dispatch``,
+    ``benchmarks/engine/moe_dispatch``) the capacity part took 0.71x-0.82x of the blocks' time from 512 to 4,096
+    tokens on the ~15M shape (E=16, k=2); at decode sizes the batched FFN over all experts was slower."""
     mean = num_assignments / num_experts
     return 0 if mean < CAPACITY_MIN_MEAN else int(8 * np.ceil(CAPACITY_FACTOR * mean / 8))
+
+
+def _stack_bytes(p: MoEParams, cfg: ModelConfig, d: int, dtype: Any) -> int:
+    """Bytes the capacity part materializes to read all experts' weights in ``dtype``: 0 when the three stacks
+    already are plain arrays of it, else their dequantized size."""
+    if all(not is_quantized(w) and w.dtype == dtype for w in (p.w_gate, p.w_up, p.w_down)):
+        return 0
+    return 3 * cfg.num_experts * d * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
 
 
 def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
@@ -107,12 +118,14 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     """Capacity plus sorted blocks (the CPU's dispatch at every token count); exact.
 
     The N*k assignments are sorted by expert. Each expert's first ``cap`` assignments (:func:`capacity_rows` by
-    default; 0 at decode sizes) go into an [E, cap, D] buffer run through one batched FFN that reads every expert's
-    weights in place. The rest (all of them when ``cap`` is 0) are laid out in blocks of ``bt`` rows
-    (:func:`block_rows`), each block holding one expert's assignments (zero rows pad an expert's last block); a loop
-    over the *used* blocks only (a dynamic trip count, zero when no expert overflows its capacity) runs one dense
-    ``[bt, D] x [D, F]`` FFN per block with that expert's weights (quantized leaves indexed, then expanded). No
-    expert's weights are copied for every assignment, and no expert runs on tokens that did not choose it.
+    default: 0 at decode sizes, and when the dequantized expert stacks would exceed ``CAPACITY_MAX_BYTES``) go into
+    an [E, cap, D] buffer run through one batched FFN that reads every expert's weights in place (float weights of
+    the activations' dtype; quantized ones expanded whole). The rest (all of them when ``cap`` is 0) are laid out
+    in blocks of ``bt`` rows (:func:`block_rows`), each block holding one expert's assignments (zero rows pad an
+    expert's last block); a loop over the *used* blocks only (a dynamic trip count, zero when no expert overflows
+    its capacity) runs one dense ``[bt, D] x [D, F]`` FFN per block with that expert's weights (quantized leaves
+    indexed, then expanded). No expert's weights are copied for every assignment, and no expert runs on tokens that
+    did not choose it.
 
     x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0).
 
@@ -121,7 +134,8 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     """
     n, k = idx.shape
     e, m, d = cfg.num_experts, n * k, x.shape[1]
-    cap = capacity_rows(m, e) if cap is None else cap
+    if cap is None:
+        cap = capacity_rows(m, e) if _stack_bytes(p, cfg, d, x.dtype) <= CAPACITY_MAX_BYTES else 0
     bt = block_rows(m, e)
     nb = m // bt + e  # static bound on the blocks used: sum_e ceil(c_e / bt) <= m // bt + e
     mm = dict(preferred_element_type=jnp.float32)
@@ -156,10 +170,10 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     ys = y[jnp.clip(rows, 0, nb * bt - 1)]  # [m, D] by assignment (rows of the capacity's assignments replaced next)
     if cap:
         slot = jnp.where(rank < cap, expert * cap + rank, e * cap)  # sorted position -> capacity row; e * cap: none
-        src = jnp.full((e * cap + 1,), m, jnp.int32).at[slot].set(jnp.arange(m, dtype=jnp.int32))[:-1]
+        cap_src = jnp.full((e * cap + 1,), m, jnp.int32).at[slot].set(jnp.arange(m, dtype=jnp.int32))[:-1]
         w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
-        buf = xz[token[src]].reshape(e, cap, d)  # [E, cap, D]
-        h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, w_gate, **mm)) * jnp.einsum("ecd,edf->ecf", buf, w_up, **mm)
+        xc = xz[token[cap_src]].reshape(e, cap, d)  # [E, cap, D]
+        h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xc, w_gate, **mm)) * jnp.einsum("ecd,edf->ecf", xc, w_up, **mm)
         y_cap = jnp.einsum("ecf,efd->ecd", h.astype(x.dtype), w_down, **mm).reshape(e * cap, d)
         ys = jnp.where((rank < cap)[inv][:, None], y_cap[jnp.minimum(slot, e * cap - 1)[inv]], ys)
     return jnp.einsum("nkd,nk->nd", ys.reshape(n, k, d), weights).astype(x.dtype), jnp.float32(0)

@@ -75,6 +75,21 @@ def test_blocked_experts_capacity_part(cap, skewed):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_capacity_part_bounded_by_the_bytes_it_materializes(monkeypatch):
+    """Float weights in the activations' dtype are read in place (nothing materialized); quantized stacks are
+    expanded whole by the capacity part, so past ``CAPACITY_MAX_BYTES`` the dispatch keeps to the blocks."""
+    p, x, w, idx = _moe_inputs(MLA, 300, seed=3)
+    q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
+    assert M._stack_bytes(p, MLA, MLA.hidden_size, jnp.float32) == 0
+    assert M._stack_bytes(q, MLA, MLA.hidden_size, jnp.float32) == 3 * 8 * 32 * 16 * 4
+    caps = []
+    monkeypatch.setattr(M, "capacity_rows", lambda m, e: caps.append(m) or 0)
+    monkeypatch.setattr(M, "CAPACITY_MAX_BYTES", 3 * 8 * 32 * 16 * 4 - 1)
+    M.blocked_experts(q, MLA, x, w, idx)  # over the budget: capacity_rows not consulted
+    M.blocked_experts(p, MLA, x, w, idx)  # float weights: consulted
+    assert caps == [600]
+
+
 def test_blocked_experts_int4_weights():
     p, x, w, idx = _moe_inputs(MLA, 2, seed=7)
     q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
