@@ -27,6 +27,8 @@ from phaseserve.bench.report import environment_section, markdown_table
 from phaseserve.config import ModelConfig
 from phaseserve.model import moe as M
 from phaseserve.model.params import MoEParams, init_params
+from phaseserve.quant.policy import resolve_policy
+from phaseserve.quant.quantize import quantize_params
 
 
 def chain(cfg: ModelConfig, cap: int | None):
@@ -44,9 +46,11 @@ def chain(cfg: ModelConfig, cap: int | None):
     return run
 
 
-def measure(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0) -> dict[str, Any]:
-    """One point: both arms on the same ``tokens`` random rows, interleaved ``repeats`` times (after a warm-up)."""
-    moes = [layer.mlp for layer in init_params(cfg, jax.random.key(seed)).layers if isinstance(layer.mlp, MoEParams)]
+def measure(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, weights: str = "float32") -> dict[str, Any]:
+    """One point: both arms on the same ``tokens`` random rows, interleaved ``repeats`` times (after a warm-up), the
+    weights in the quantization preset ``weights`` (float32 activations)."""
+    params = quantize_params(init_params(cfg, jax.random.key(seed)), resolve_policy(weights, base="float32"))
+    moes = [layer.mlp for layer in params.layers if isinstance(layer.mlp, MoEParams)]
     x = jax.random.normal(jax.random.key(seed + tokens), (tokens, cfg.hidden_size))
     arms = {"blocks": chain(cfg, 0), "capacity": chain(cfg, None)}
     outs = {name: np.asarray(f(moes, x)) for name, f in arms.items()}
@@ -73,6 +77,7 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join([
         f"# MoE dispatch on the CPU: blocks only vs capacity part plus blocks ({result['label']})", "",
         __doc__.split("\n\n")[1].replace("\n", " "), "",
+        f"Weights: {result.get('weights', 'float32')} (activations float32). "
         f"{result['repeats']} interleaved repeats per point; ms per chain of the model's MoE layers; ratio < 1: the "
         "capacity part is faster. `cap`: capacity rows per expert the default picks (0: it runs the blocks only); "
         "`bt`: rows per block.", "",
@@ -89,13 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--tokens", nargs="+", type=int, default=[32, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--weights", default="float32", help="quantization preset of the weights, e.g. all-fp8, kimi-int4")
     a = ap.parse_args(argv)
     result: dict[str, Any] = {"label": a.label or a.out.rstrip("/").split("/")[-1], "repeats": a.repeats,
-                              "environment": environment(), "rows": []}
+                              "weights": a.weights, "environment": environment(), "rows": []}
     for name in a.models:
         cfg = model_config(name)
         for n in a.tokens:
-            row = {"model": name, "load_average_1m": os.getloadavg()[0], **measure(cfg, n, a.repeats)}
+            row = {"model": name, "load_average_1m": os.getloadavg()[0],
+                   **measure(cfg, n, a.repeats, weights=a.weights)}
             result["rows"].append(row)
             print(name, n, "cap", row["cap"], "ratio", _med(row["ratio"]), flush=True)
     write(a.out, result, markdown(result))

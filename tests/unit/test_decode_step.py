@@ -252,12 +252,13 @@ def test_width_bucket_covers_the_pages_and_wastes_at_most_a_third():
     assert len(set(widths)) <= 2 * len({bucket(n, 4) for n in range(1, 1025)})
 
 
-def test_moe_dispatch_benchmark_point():
+@pytest.mark.parametrize("weights", ["float32", "all-fp8"])
+def test_moe_dispatch_benchmark_point(weights):
     """The side-by-side benchmark of the capacity part: both arms timed every repeat, the same output, and the
     capacity arm really uses the capacity part at this size (cap > 0) while the blocks arm does not."""
     from phaseserve.bench import moe_dispatch
 
-    r = moe_dispatch.measure(MLA, 300, repeats=2)
+    r = moe_dispatch.measure(MLA, 300, repeats=2, weights=weights)
     assert r["cap"] == M.capacity_rows(600, MLA.num_experts) > 0 and r["moe_layers"] == 1
     assert len(r["ms"]["blocks"]) == len(r["ms"]["capacity"]) == len(r["ratio"]) == 2
     assert all(t > 0 for t in r["ms"]["blocks"] + r["ms"]["capacity"]) and r["rel_diff"] < 1e-5
