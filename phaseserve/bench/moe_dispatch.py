@@ -3,7 +3,7 @@
 A chain of a model's MoE layers (routing, routed and shared experts, the residual added between layers; one jit
 per arm) runs on ``tokens`` random rows per point, the two arms interleaved in every repeat with the order
 alternating: ``blocks`` (``cap=0``: every assignment through the loop over one-expert blocks, the dispatch at
-decode sizes) and ``capacity`` (the default ``cap = moe.capacity_rows(...)``: each expert's first ``cap``
+decode sizes) and ``capacity`` (the default ``cap = moe.default_cap(...)``: each expert's first ``cap``
 assignments in one batched FFN over all experts, the overflow through the blocks). Reports ms per chain (median
 [min, max]), the per-repeat ratio capacity / blocks, and the largest difference of the two outputs relative to the
 output's scale (the arms differ only in where each assignment's FFN runs).
@@ -62,7 +62,7 @@ def measure(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, weights:
             ms[name].append(1e3 * (time.perf_counter() - t))
     ratio = [c / b for c, b in zip(ms["capacity"], ms["blocks"], strict=True)]
     scale = float(np.max(np.abs(outs["blocks"])))
-    return {"tokens": tokens, "cap": M.capacity_rows(tokens * cfg.num_experts_per_tok, cfg.num_experts),
+    return {"tokens": tokens, "cap": M.default_cap(moes[0], cfg, tokens, cfg.hidden_size, x.dtype),
             "block_rows": M.block_rows(tokens * cfg.num_experts_per_tok, cfg.num_experts), "moe_layers": len(moes),
             "ms": ms, "ratio": ratio, "rel_diff": float(np.max(np.abs(outs["capacity"] - outs["blocks"]))) / scale}
 

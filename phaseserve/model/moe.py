@@ -113,11 +113,19 @@ def _stack_bytes(p: MoEParams, cfg: ModelConfig, d: int, dtype: Any) -> int:
     return 3 * cfg.num_experts * d * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
 
 
+def default_cap(p: MoEParams, cfg: ModelConfig, num_tokens: int, d: int, dtype: Any) -> int:
+    """The capacity :func:`blocked_experts` uses by default for ``num_tokens`` tokens of width ``d`` in ``dtype``:
+    :func:`capacity_rows`, or 0 (blocks only) where the expert stacks it would expand exceed ``CAPACITY_MAX_BYTES``."""
+    if _stack_bytes(p, cfg, d, dtype) > CAPACITY_MAX_BYTES:
+        return 0
+    return capacity_rows(num_tokens * cfg.num_experts_per_tok, cfg.num_experts)
+
+
 def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
                     cap: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Capacity plus sorted blocks (the CPU's dispatch at every token count); exact.
 
-    The N*k assignments are sorted by expert. Each expert's first ``cap`` assignments (:func:`capacity_rows` by
+    The N*k assignments are sorted by expert. Each expert's first ``cap`` assignments (:func:`default_cap` by
     default: 0 at decode sizes, and when the dequantized expert stacks would exceed ``CAPACITY_MAX_BYTES``) go into
     an [E, cap, D] buffer run through one batched FFN that reads every expert's weights in place (float weights of
     the activations' dtype; quantized ones expanded whole). The rest (all of them when ``cap`` is 0) are laid out
@@ -134,8 +142,7 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     """
     n, k = idx.shape
     e, m, d = cfg.num_experts, n * k, x.shape[1]
-    if cap is None:
-        cap = capacity_rows(m, e) if _stack_bytes(p, cfg, d, x.dtype) <= CAPACITY_MAX_BYTES else 0
+    cap = default_cap(p, cfg, n, d, x.dtype) if cap is None else cap
     bt = block_rows(m, e)
     nb = m // bt + e  # static bound on the blocks used: sum_e ceil(c_e / bt) <= m // bt + e
     mm = dict(preferred_element_type=jnp.float32)

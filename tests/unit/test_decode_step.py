@@ -82,9 +82,11 @@ def test_capacity_part_bounded_by_the_bytes_it_materializes(monkeypatch):
     q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
     assert M._stack_bytes(p, MLA, MLA.hidden_size, jnp.float32) == 0
     assert M._stack_bytes(q, MLA, MLA.hidden_size, jnp.float32) == 3 * 8 * 32 * 16 * 4
+    assert M.default_cap(q, MLA, 300, MLA.hidden_size, jnp.float32) == M.capacity_rows(600, 8) > 0
     caps = []
     monkeypatch.setattr(M, "capacity_rows", lambda m, e: caps.append(m) or 0)
     monkeypatch.setattr(M, "CAPACITY_MAX_BYTES", 3 * 8 * 32 * 16 * 4 - 1)
+    assert M.default_cap(q, MLA, 300, MLA.hidden_size, jnp.float32) == 0
     M.blocked_experts(q, MLA, x, w, idx)  # over the budget: capacity_rows not consulted
     M.blocked_experts(p, MLA, x, w, idx)  # float weights: consulted
     assert caps == [600]
