@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from phaseserve.bench.measure import environment
+from phaseserve.bench.measure import environment, stats
 from phaseserve.bench.profile_decode import MODELS, model_config, write
-from phaseserve.bench.report import environment_section, markdown_table
+from phaseserve.bench.report import environment_section, markdown_table, spread
 from phaseserve.config import ModelConfig
 from phaseserve.model import moe as M
 from phaseserve.model.params import MoEParams, init_params
@@ -67,13 +67,10 @@ def measure(cfg: ModelConfig, tokens: int, repeats: int, seed: int = 0, weights:
             "ms": ms, "ratio": ratio, "rel_diff": float(np.max(np.abs(outs["capacity"] - outs["blocks"]))) / scale}
 
 
-def _med(v: list[float]) -> str:
-    return f"{np.median(v):.3g} [{min(v):.3g}, {max(v):.3g}]"
-
-
 def markdown(result: dict[str, Any]) -> str:
-    rows = [[r["model"], r["tokens"], r["cap"], r["block_rows"], _med(r["ms"]["blocks"]), _med(r["ms"]["capacity"]),
-             _med(r["ratio"]), f"{r['rel_diff']:.1e}"] for r in result["rows"]]
+    rows = [[r["model"], r["tokens"], r["cap"], r["block_rows"], spread(stats(r["ms"]["blocks"])),
+             spread(stats(r["ms"]["capacity"])), spread(stats(r["ratio"])), f"{r['rel_diff']:.1e}"]
+            for r in result["rows"]]
     return "\n".join([
         f"# MoE dispatch on the CPU: blocks only vs capacity part plus blocks ({result['label']})", "",
         __doc__.split("\n\n")[1].replace("\n", " "), "",
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"model": name, "load_average_1m": os.getloadavg()[0],
                    **measure(cfg, n, a.repeats, weights=a.weights)}
             result["rows"].append(row)
-            print(name, n, "cap", row["cap"], "ratio", _med(row["ratio"]), flush=True)
+            print(name, n, "cap", row["cap"], "ratio", spread(stats(row["ratio"])), flush=True)
     write(a.out, result, markdown(result))
 
 

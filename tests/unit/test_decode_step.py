@@ -264,3 +264,6 @@ def test_moe_dispatch_benchmark_point(weights):
     assert r["cap"] == M.capacity_rows(600, MLA.num_experts) > 0 and r["moe_layers"] == 1
     assert len(r["ms"]["blocks"]) == len(r["ms"]["capacity"]) == len(r["ratio"]) == 2
     assert all(t > 0 for t in r["ms"]["blocks"] + r["ms"]["capacity"]) and r["rel_diff"] < 1e-5
+    md = moe_dispatch.markdown({"label": "t", "repeats": 2, "weights": weights, "rows": [{"model": "mla", **r}],
+                                "environment": {"load_average_1m_5m_15m": [0, 0, 0]}})
+    assert f"| mla | 300 | {r['cap']} | {r['block_rows']} |" in md and f"Weights: {weights}" in md
