@@ -72,10 +72,9 @@ def ragged_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Ar
                    ) -> tuple[jax.Array, jax.Array]:
     """Sorted ragged dispatch. x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
     n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order, _, counts, _, _ = _sorted(idx, cfg.num_experts)
     token = order // k
-    group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    group_sizes = counts.astype(jnp.int32)
     xs = x[token]
     h = jax.nn.silu(grouped_dense(xs, p.w_gate, group_sizes)) * grouped_dense(xs, p.w_up, group_sizes)
     ys = grouped_dense(h, p.w_down, group_sizes).astype(jnp.float32)
@@ -88,6 +87,32 @@ def block_rows(num_assignments: int, num_experts: int) -> int:
     [4, 128] (small blocks waste little padding at decode; 128 rows keep prefill's matmuls efficient)."""
     mean = max(1.0, num_assignments / num_experts)
     return int(min(128, max(4, 2 * 2 ** int(np.ceil(np.log2(mean))))))
+
+
+def _sorted(idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The N*k assignments sorted by expert (stable: token order within an expert). idx i32[N, k] ->
+    (order [m]: sorted position -> assignment, expert [m] of each sorted position, counts [E], start [E]: each
+    expert's first sorted position, rank [m]: position within its expert), m = N*k."""
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = jnp.bincount(flat, length=num_experts)
+    start = jnp.cumsum(counts) - counts
+    return order, expert, counts, start, jnp.arange(flat.shape[0]) - start[expert]
+
+
+def _capacity_slots(expert: jax.Array, rank: jax.Array, cap: int, num_experts: int) -> jax.Array:
+    """Each sorted position's row in an [E * cap] capacity buffer; ``E * cap`` (one past the end) where the
+    position is past its expert's capacity. expert, rank i32[m] -> i32[m]."""
+    return jnp.where(rank < cap, expert * cap + rank, num_experts * cap)
+
+
+def _batched_ffn(p: MoEParams, xb: jax.Array, **dot_kw: Any) -> jax.Array:
+    """Every expert's FFN on its own rows in one batched matmul per projection, the weights read as laid out
+    (quantized ones expanded whole to xb's dtype). xb [E, C, D] -> [E, C, D] (``dot_kw`` passed to the einsums)."""
+    w_gate, w_up, w_down = (dequantize(w, xb.dtype) for w in (p.w_gate, p.w_up, p.w_down))
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xb, w_gate, **dot_kw)) * jnp.einsum("ecd,edf->ecf", xb, w_up, **dot_kw)
+    return jnp.einsum("ecf,efd->ecd", h.astype(xb.dtype), w_down, **dot_kw)
 
 
 CAPACITY_MIN_MEAN = 64  # mean assignments per expert from which the CPU dispatch adds the capacity part
@@ -146,12 +171,7 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     bt = block_rows(m, e)
     nb = m // bt + e  # static bound on the blocks used: sum_e ceil(c_e / bt) <= m // bt + e
     mm = dict(preferred_element_type=jnp.float32)
-    flat = idx.reshape(-1)  # [m]
-    order = jnp.argsort(flat, stable=True)  # sorted position -> assignment
-    expert = flat[order]  # [m] expert of each sorted position
-    counts = jnp.bincount(flat, length=e)  # [E]
-    start = jnp.cumsum(counts) - counts  # first sorted position of each expert
-    rank = jnp.arange(m) - start[expert]  # [m] position within its expert
+    order, expert, counts, start, rank = _sorted(idx, e)
     token = jnp.concatenate([order // k, jnp.array([n], order.dtype)])  # [m + 1] token per sorted position; n: pad
     xz = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])  # row n: zeros
     inv = jnp.argsort(order)  # assignment -> sorted position
@@ -176,12 +196,9 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     rows = (blk_start[expert] * bt + rank - cap)[inv]  # each overflowing assignment's row in the blocks
     ys = y[jnp.clip(rows, 0, nb * bt - 1)]  # [m, D] by assignment (rows of the capacity's assignments replaced next)
     if cap:
-        slot = jnp.where(rank < cap, expert * cap + rank, e * cap)  # sorted position -> capacity row; e * cap: none
+        slot = _capacity_slots(expert, rank, cap, e)  # sorted position -> capacity row; e * cap: none
         cap_src = jnp.full((e * cap + 1,), m, jnp.int32).at[slot].set(jnp.arange(m, dtype=jnp.int32))[:-1]
-        w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
-        xc = xz[token[cap_src]].reshape(e, cap, d)  # [E, cap, D]
-        h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", xc, w_gate, **mm)) * jnp.einsum("ecd,edf->ecf", xc, w_up, **mm)
-        y_cap = jnp.einsum("ecf,efd->ecd", h.astype(x.dtype), w_down, **mm).reshape(e * cap, d)
+        y_cap = _batched_ffn(p, xz[token[cap_src]].reshape(e, cap, d), **mm).reshape(e * cap, d)
         ys = jnp.where((rank < cap)[inv][:, None], y_cap[jnp.minimum(slot, e * cap - 1)[inv]], ys)
     return jnp.einsum("nkd,nk->nd", ys.reshape(n, k, d), weights).astype(x.dtype), jnp.float32(0)
 
@@ -192,10 +209,7 @@ def dense_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Arr
     -> (out [N, D], 0.0)."""
     n = x.shape[0]
     gates = jnp.zeros((n, cfg.num_experts), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)  # [N, E]
-    w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
-    xe = jnp.broadcast_to(x, (cfg.num_experts, *x.shape))  # [E, N, D]: a batched matmul reads w [E, D, F] as laid out
-    h = jax.nn.silu(jnp.einsum("end,edf->enf", xe, w_gate)) * jnp.einsum("end,edf->enf", xe, w_up)
-    y = jnp.einsum("enf,efd->end", h, w_down)
+    y = _batched_ffn(p, jnp.broadcast_to(x, (cfg.num_experts, *x.shape)))  # [E, N, D]
     return jnp.einsum("end,ne->nd", y, gates).astype(x.dtype), jnp.float32(0)
 
 
@@ -209,18 +223,12 @@ def capacity_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.
     n, k = idx.shape
     e = cfg.num_experts
     cap = int(np.ceil(factor * n * k / e))
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    counts = jnp.bincount(flat, length=e)
-    rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[expert]
+    order, expert, _, _, rank = _sorted(idx, e)
     keep = rank < cap
-    slot = jnp.where(keep, expert * cap + rank, e * cap)  # overflow goes to a discarded extra row
+    slot = _capacity_slots(expert, rank, cap, e)  # overflow goes to a discarded extra row
     token = order // k
-    w_gate, w_up, w_down = (dequantize(w, x.dtype) for w in (p.w_gate, p.w_up, p.w_down))
     buf = jnp.zeros((e * cap + 1, x.shape[1]), x.dtype).at[slot].set(x[token])[:-1].reshape(e, cap, -1)
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, w_gate)) * jnp.einsum("ecd,edf->ecf", buf, w_up)
-    y = jnp.einsum("ecf,efd->ecd", h, w_down).reshape(e * cap, -1)
+    y = _batched_ffn(p, buf).reshape(e * cap, -1)
     y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])[slot]
     y = y * (weights.reshape(-1)[order] * keep)[:, None]
     return jax.ops.segment_sum(y, token, num_segments=n).astype(x.dtype), jnp.sum(~keep) / keep.size
