@@ -19,7 +19,9 @@ from phaseserve.quant import quantize as quantize_mod
 
 @pytest.mark.slow  # every representation through the engine: minutes of CPU; run by `pytest -m slow`
 def test_quality_table_is_measured_and_written(tmp_path):
-    rows = run(default_model_path(), tmp_path, num_requests=3, max_tokens=12, num_windows=3, calib_sequences=2)
+    # the weights are judged on the experiment's 32 held-out windows, the sample LIMITS hold for: the shipped model's
+    # bfloat16 KL is 0.00035 over those, but 0.0011 over 3 (one window alone at 0.0029), past its 0.001 limit
+    rows = run(default_model_path(), tmp_path, num_requests=3, max_tokens=12, num_windows=32, calib_sequences=2)
     saved = json.loads((tmp_path / "quality.json").read_text())
     assert saved == json.loads(json.dumps(rows))
     assert set(rows["weights"]) == set(WEIGHTS) and set(rows["rows"]) == set(ROWS)
@@ -32,7 +34,7 @@ def test_quality_table_is_measured_and_written(tmp_path):
         assert rows["weights"][name]["kl"] > 1e-6, name  # a quantized model is really a different model
     iv = rows["intervals"]
     for name, row in rows["rows"].items():
-        assert len(row["samples"]["exact_match"]) == 3 and len(row["samples"]["nll"]) == 3
+        assert len(row["samples"]["exact_match"]) == 3 and len(row["samples"]["nll"]) == 32
         assert 0.0 <= row["token_agreement_vs_f32"] <= 1.0
         for metric in quality.STATISTICS:
             x = iv[name][metric]
