@@ -29,7 +29,9 @@ running batch, seconds inside prefill and decode calls).
 ``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
 to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
 the in-process one included, so both arms get the same cores and the client's CPU time no longer competes with
-the server's. ``null`` (the default) pins nothing: client and server share every core.
+the server's. The server process is pinned before JAX starts, so XLA sizes its worker pools to the server's CPUs
+(pinned after, a 2-core machine's server ran XLA's two-thread pools on its one CPU). ``null`` (the default) pins
+nothing: client and server share every core.
 """
 
 from __future__ import annotations
@@ -217,6 +219,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
 
     spec, out_dir = experiment_spec(cfg, HttpLoadSpec), Path(out_dir)
     cpus = split_cpus(spec.client_cpus)
+    if cpus is not None:  # before JAX starts: XLA sizes its thread pools to the CPUs it may use
+        pin_process(cpus[1])  # every server thread (engine loop, XLA workers, uvicorn) inherits it
     env = environment()
     engine = Engine.from_hydra(cfg)
     concs = concurrencies(cfg.workload)
@@ -227,8 +231,6 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     app = create_app(EngineBackend(engine), ByteTokenizer(), spec.model_name)
     server, thread, base = start_in_thread(app, keep_alive_s=spec.timeout_s)  # connections kept between runs
     loop: EngineLoop = app.state.loop
-    if cpus is not None:
-        pin_process(cpus[1])  # every server thread: engine loop, XLA workers, uvicorn
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
     arms = ARMS if spec.coalesced_interval > 1 else ARMS[:2]
     intervals = {"http": 1, "http-coalesced": spec.coalesced_interval}
@@ -314,8 +316,8 @@ def _cpus_line(cpus: dict | None) -> str:
     if not cpus:
         return "CPUs: not pinned (the client process, uvicorn and the engine share every core)."
     return (f"CPUs: the client process pinned to {cpus['client']}, every server thread (engine, XLA workers, uvicorn) "
-            f"to {cpus['server']}, in every arm (the in-process arm runs on the same cores as the server): the "
-            "client stands in for one on another machine.")
+            f"to {cpus['server']} (before JAX started: XLA's worker pools are sized to them), in every arm (the "
+            "in-process arm runs on the same cores as the server): the client stands in for one on another machine.")
 
 
 def _stack_line(stack: dict | None) -> str:

@@ -157,10 +157,12 @@ def drive(engine: Engine, requests: list[Request], concurrency: int, arrival: st
 
 def warmup(engine: Engine, workload: Any, max_concurrency: int, vocab_size: int) -> int:
     """Compile every decode batch bucket up to ``max_concurrency`` and every prefill (batch, prompt) bucket the
-    workload reaches, with short untimed runs, and the handoff's chunk sizes (``Engine.warm_handoff``). Returns
-    the number of runs."""
+    workload reaches, with untimed runs, and the handoff's chunk sizes (``Engine.warm_handoff``). Each run
+    generates the workload's longest output, so its decode steps pass through every page-table width
+    (``workers.width_bucket``) a request of that prompt bucket reaches. Returns the number of runs."""
     engine.warm_handoff()
     lo, hi = min_length(workload.prompt), max_length(workload.prompt)
+    new_tokens = max(3, max_length(workload.output))
     t_buckets = sorted({bucket(n, 16) for n in range(lo, hi + 1)})
     runs = 0
     for t in t_buckets:
@@ -169,8 +171,8 @@ def warmup(engine: Engine, workload: Any, max_concurrency: int, vocab_size: int)
         while b <= bucket(max_concurrency):
             reset_engine(engine, max_batch=b)
             rng = np.random.default_rng(runs)
-            reqs = [Request(id=f"warm{runs}-{i}", prompt=rng.integers(0, vocab_size, length).tolist(), max_tokens=3,
-                            ignore_eos=True) for i in range(b)]
+            reqs = [Request(id=f"warm{runs}-{i}", prompt=rng.integers(0, vocab_size, length).tolist(),
+                            max_tokens=new_tokens, ignore_eos=True) for i in range(b)]
             engine.generate(reqs)
             runs += 1
             b *= 2

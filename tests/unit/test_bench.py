@@ -226,6 +226,23 @@ def test_client_loop_on_a_tiny_engine():
     assert eng.scheduler.max_batch == 3 and eng.summary()["requests"] == 0
 
 
+def test_warmup_covers_every_page_table_width_the_outputs_reach():
+    """Requests of 4 + 20 tokens in pages of 4 grow from 2 to 6 pages while they decode, so their decode steps use
+    page tables 4 and then 6 wide (``workers.width_bucket``); the warm-up's runs generate the workload's whole
+    output, so a run of the workload afterwards compiles nothing (3-token warm-up runs stopped at width 4)."""
+    cfg = _compose("config", TINY + ["+model.overrides.num_hidden_layers=1", "workload.concurrency=2",
+                                     "cache.num_pages=32", "cache.page_size=4", "workload.prompt.dist=fixed",
+                                     "workload.prompt.mean=4", "workload.output.mean=20"])
+    model_cfg, params, serve = config_hydra.serve_config_from_hydra(cfg)
+    eng = ps.Engine(model_cfg, params, serve)
+    workload.warmup(eng, cfg.workload, 2, model_cfg.vocab_size)
+    before = measure.CompileCounter.count()
+    s = workload.drive(eng, workload.make_requests(cfg.workload, model_cfg.vocab_size, 4, seed=1, tag="run"), 2,
+                       "closed")
+    assert s["completed"] == 4 and s["output_tokens"] == 80
+    assert measure.CompileCounter.count() == before
+
+
 # ---- statistics -------------------------------------------------------------------------------------------
 def _rec(arm, point, rep, tput, p95=None):
     return {"arm": arm, "point": point, "repeat": rep, "output_tok_per_s": tput, "e2e": {"p95": p95}}
