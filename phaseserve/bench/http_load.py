@@ -23,8 +23,9 @@ The engine's numbers use the same definitions on its own clock (``RequestMetrics
 ``overhead`` = HTTP throughput / in-process throughput per repeat (paired), and the same ratios of TTFT, TPOT and
 e2e p50. On a CPU the client process, uvicorn and the engine share the machine's cores, so the HTTP arm also pays
 for its client's CPU time. Where the time goes, per run: the CPU seconds of the server process (engine, XLA
-threads, HTTP) and of the client process, and the engine's own counters (prefill batches, decode steps, mean
-running batch, seconds inside prefill and decode calls).
+threads, HTTP), split by thread (:func:`thread_cpu_s`: the engine loop's Python, uvicorn's event loop, and every
+other thread, where XLA runs the compiled steps), and of the client process, and the engine's own counters
+(prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls).
 
 ``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
 to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
@@ -57,6 +58,7 @@ from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
 ARMS = ["in-process", "http", "http-coalesced"]
+THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine loop, uvicorn, the rest (XLA pools)
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
@@ -112,6 +114,21 @@ def _cpu_s() -> float:
     """CPU seconds (user + system) this process has used, all its threads."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def thread_cpu_s(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds run so far by this process's threads, summed per group (group -> native thread id); every other
+    thread (XLA's worker pools, the main thread) under ``other``. Read from ``/proc/self/task/*/schedstat`` (ns)."""
+    by_tid = {tid: g for g, tid in groups.items()}
+    out = dict.fromkeys([*groups, "other"], 0.0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        out[by_tid.get(int(tid), "other")] += ns * 1e-9
+    return out
 
 
 def pin_process(cpus: set[int]) -> None:
@@ -231,6 +248,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     app = create_app(EngineBackend(engine), ByteTokenizer(), spec.model_name)
     server, thread, base = start_in_thread(app, keep_alive_s=spec.timeout_s)  # connections kept between runs
     loop: EngineLoop = app.state.loop
+    tids = {"engine_loop": loop.native_id, "http": thread.native_id}
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
     arms = ARMS if spec.coalesced_interval > 1 else ARMS[:2]
     intervals = {"http": 1, "http-coalesced": spec.coalesced_interval}
@@ -244,19 +262,21 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                 reqs = make_requests(cfg.workload, vocab, n, seed=1000 * (rep + 1) + c, tag=f"c{c}r{rep}")
                 for order, arm in enumerate(rotated(arms, rep + c)):
                     def timed(arm=arm, reqs=reqs, c=c) -> dict:
-                        cpu0 = time.process_time()
+                        cpu0, threads0 = time.process_time(), thread_cpu_s(tids)
                         if arm in intervals:
                             rec = _http_run(loop, client, engine, reqs, c, intervals[arm])
                         else:
                             rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")).result()
                             rec |= {"ramp_s": 0.0, "engine_wall_s": rec["wall_s"], "tail_s": 0.0,
                                     "engine_tok_per_s": rec["output_tok_per_s"]}
-                        return rec | {"server_cpu_s": time.process_time() - cpu0}
+                        threads = thread_cpu_s(tids)
+                        return rec | {"server_cpu_s": time.process_time() - cpu0,
+                                      **{f"cpu_{g}_s": threads[g] - threads0[g] for g in THREADS}}
 
                     # a run during which JAX compiled (a prefill shape the warm-up missed) is run again
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
-                                               "tpot", "e2e", "server_cpu_s")} | {
+                                               "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
                         k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT)}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
@@ -277,7 +297,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
                             "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])}},
                "records": records, "ratio_http_over_in_process": ratios,
-               "aggregate": aggregate(records, METRICS + ["server_cpu_s", "client_cpu_s", "wall_s", *SPLIT]
+               "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
+                                                        "client_cpu_s", "wall_s", *SPLIT]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -332,13 +353,16 @@ def markdown(results: dict) -> str:
     arms = [a for a in ARMS if a in agg]
     s = results["settings"]
     rows, where = [], []
+    split = f"cpu_{THREADS[0]}_s" in next(iter(agg[arms[0]].values()))  # older runs: one server CPU column
+    threads_cols = ["engine-loop thread CPU s", "uvicorn thread CPU s", "other threads CPU s"] if split else []
+    cpu_cols = ["wall_s", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS if split), "client_cpu_s"]
     for c in points:
         for arm in arms:
             a = agg[arm][c]
             rows.append([c, arm, rp.spread(a["output_tok_per_s"]),
                          *(rp.spread({k: (v * 1e3 if isinstance(v, float) else v) for k, v in a[m].items()})
                            for m in METRICS[1:])])
-            where.append([c, arm, *(rp.spread(a[m]) for m in ["wall_s", "server_cpu_s", "client_cpu_s"]),
+            where.append([c, arm, *(rp.spread(a[m]) for m in cpu_cols),
                           *(rp.spread({k: v * 1e3 if isinstance(v, float) else v for k, v in a[m].items()})
                             for m in ["ramp_s", "tail_s"]),
                           *(rp.spread(a[f"engine.{k}"]) for k in ENGINE_COUNTERS)])
@@ -361,10 +385,12 @@ def markdown(results: dict) -> str:
         "## HTTP / in-process (paired per repeat; tok/s below 1 and times above 1 are the HTTP overhead)",
         rp.markdown_table(["concurrency", "arm", *(f"{m} ratio" for m in next(iter(ratios.values())))], ratio_rows),
         "## Where the time goes (per run, medians [min, max]; CPU seconds of the server process -- engine, XLA "
-        "threads, HTTP -- and of the client process; the client's ramp (its first send to the engine's first "
-        "arrival) and tail (the engine's last finish to the client's last stream end), on the clock both processes "
-        "share; the engine's counters; seconds inside prefill / decode calls)",
-        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", "client CPU s", "ramp ms", "tail ms",
+        "threads, HTTP -- split by thread (the engine loop, which runs the in-process arm too; uvicorn's; every other "
+        "thread, XLA's worker pools among them), and of the client process; the client's ramp (its first send to the "
+        "engine's first arrival) and tail (the engine's last finish to the client's last stream end), on the clock "
+        "both processes share; the engine's counters; seconds inside prefill / decode calls)",
+        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s", "ramp ms",
+                           "tail ms",
                            *ENGINE_COUNTERS], where),
         rp.environment_section(results["environment"]),
     ])

@@ -102,8 +102,16 @@ def environment_section(env: dict) -> str:
         "results.json carries the 1-minute load average when it ran)",
         f"- jax {env.get('jax')} (jaxlib {env.get('jaxlib')}), numpy {env.get('numpy')}, hydra {env.get('hydra')}, "
         f"python {env.get('python')}; backend {env.get('backend')}, devices {len(env.get('devices', []))}",
-        f"- git commit: {env.get('git_commit')}",
+        f"- git commit: {env.get('git_commit')}" + _modified(env.get("git_modified")),
     ])
+
+
+def _modified(lines: list[str] | None) -> str:
+    """The run's uncommitted changes to tracked files, if any (``git status --porcelain`` lines)."""
+    if not lines:
+        return ""
+    names = [ln[3:] for ln in lines]
+    return f", with uncommitted changes to {len(names)} tracked file(s): {', '.join(names)}"
 
 
 # ---- plots ------------------------------------------------------------------------------------------------

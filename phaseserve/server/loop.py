@@ -212,6 +212,11 @@ class EngineLoop:
         return fut
 
     @property
+    def native_id(self) -> int | None:
+        """The loop thread's OS thread id (per-thread CPU accounting)."""
+        return self._thread.native_id
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

@@ -33,6 +33,14 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
         assert r["reruns"] in (0, 1) and r["server_cpu_s"] > 0
+        # the per-thread split covers the process: engine loop + uvicorn + the rest ~= the process's CPU time
+        parts = [r[f"cpu_{g}_s"] for g in http_load.THREADS]
+        assert all(p >= 0 for p in parts) and r["cpu_engine_loop_s"] > 0, r
+        assert abs(sum(parts) - r["server_cpu_s"]) < 0.05 + 0.1 * r["server_cpu_s"], (parts, r["server_cpu_s"])
+        if r["arm"] == "in-process":  # uvicorn idles meanwhile
+            assert r["cpu_http_s"] < 0.1 * r["cpu_engine_loop_s"], r
+        else:
+            assert r["cpu_http_s"] > 0, r
     for r in records:
         if r["arm"] == "in-process":
             assert r["ramp_s"] == r["tail_s"] == 0 and r["engine_tok_per_s"] == r["output_tok_per_s"]
@@ -49,7 +57,7 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["http_stack"] == {
         "loop": "uvloop", "http": "httptools"}  # installed with the package: uvicorn's fast paths
     md = (tmp_path / "README.md").read_text()
-    assert "Timed runs repeated because JAX compiled inside them" in md
+    assert "Timed runs repeated because JAX compiled inside them" in md and "uvicorn thread CPU s" in md
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
     assert any(line.startswith("  of which the server side") for line in lines)
 

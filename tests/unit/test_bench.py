@@ -308,6 +308,11 @@ def test_environment_record():
     env["cpu_detail"] = "family 6 model 207 stepping 2"  # whatever this machine's lscpu says (test below)
     assert f"Processor (family 6 model 207 stepping 2), {env['cpu_cores']} cores" in rp.environment_section(
         env | {"machine": "Processor"})
+    assert isinstance(env["git_modified"], list)  # a run names the tracked files it changed from its commit
+    clean = rp.environment_section(env | {"git_commit": "abc1234", "git_modified": []})
+    assert "git commit: abc1234\n" in clean + "\n" and "uncommitted" not in clean
+    dirty = rp.environment_section(env | {"git_commit": "abc1234", "git_modified": [" M phaseserve/x.py"]})
+    assert "git commit: abc1234, with uncommitted changes to 1 tracked file(s): phaseserve/x.py" in dirty
 
 
 def test_cpu_detail_names_the_cache_and_vector_extensions(monkeypatch):
