@@ -390,7 +390,6 @@ def markdown(results: dict) -> str:
         "engine's first arrival) and tail (the engine's last finish to the client's last stream end), on the clock "
         "both processes share; the engine's counters; seconds inside prefill / decode calls)",
         rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s", "ramp ms",
-                           "tail ms",
-                           *ENGINE_COUNTERS], where),
+                           "tail ms", *ENGINE_COUNTERS], where),
         rp.environment_section(results["environment"]),
     ])
