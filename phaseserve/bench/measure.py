@@ -288,6 +288,6 @@ def environment() -> dict:
         "devices": [str(d) for d in devices],
         "accelerator": devices[0].device_kind if jax.default_backend() != "cpu" else None,
         "git_commit": _cmd(["git", "rev-parse", "--short", "HEAD"]),
-        # tracked files that differ from that commit: the run's code is the commit plus these changes
-        "git_modified": _cmd(["git", "status", "--porcelain", "--untracked-files=no"]).splitlines(),
+        # tracked files that differ from that commit (staged or not): the run's code is the commit plus these
+        "git_modified": _cmd(["git", "diff", "--name-only", "HEAD"]).splitlines(),
     }

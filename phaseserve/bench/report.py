@@ -106,11 +106,10 @@ def environment_section(env: dict) -> str:
     ])
 
 
-def _modified(lines: list[str] | None) -> str:
-    """The run's uncommitted changes to tracked files, if any (``git status --porcelain`` lines)."""
-    if not lines:
+def _modified(names: list[str] | None) -> str:
+    """The run's uncommitted changes to tracked files, if any (their paths, ``git diff --name-only HEAD``)."""
+    if not names:
         return ""
-    names = [ln[3:] for ln in lines]
     return f", with uncommitted changes to {len(names)} tracked file(s): {', '.join(names)}"
 
 

@@ -311,7 +311,7 @@ def test_environment_record():
     assert isinstance(env["git_modified"], list)  # a run names the tracked files it changed from its commit
     clean = rp.environment_section(env | {"git_commit": "abc1234", "git_modified": []})
     assert "git commit: abc1234\n" in clean + "\n" and "uncommitted" not in clean
-    dirty = rp.environment_section(env | {"git_commit": "abc1234", "git_modified": [" M phaseserve/x.py"]})
+    dirty = rp.environment_section(env | {"git_commit": "abc1234", "git_modified": ["phaseserve/x.py"]})
     assert "git commit: abc1234, with uncommitted changes to 1 tracked file(s): phaseserve/x.py" in dirty
 
 
