@@ -6,6 +6,7 @@ Public API (see DESIGN.md):
 - ``init_params(cfg, key, dtype)``
 - ``forward(params, cfg, tokens)`` -> logits
 - ``Engine(cfg, params, ServeConfig(...)).generate([Request(...)])`` -> ``RequestOutput``s
+- ``ReplicatedEngine(cfg, params, ServeConfig(mesh=MeshConfig(replicas=N)))``: N data-parallel engines, same calls
 - ``planner.plan(model, gpu, num_gpus, weights, kv)`` -> capacity / roofline dict
 - config dataclasses: ``ModelConfig``, ``QuantConfig``, ``CacheConfig``, ``MeshConfig``, ``ServeConfig``
 """
@@ -21,7 +22,7 @@ from phaseserve.config import (
     ServeConfig,
     UnsupportedArchitectureError,
 )
-from phaseserve.engine import Engine, Request, RequestError, RequestOutput
+from phaseserve.engine import Engine, ReplicatedEngine, Request, RequestError, RequestOutput
 from phaseserve.model.loader import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
 from phaseserve.model.params import Params, abstract_params, init_params
 from phaseserve.model.transformer import forward, prefill
@@ -29,7 +30,7 @@ from phaseserve.quant.loader import load_checkpoint  # the one loader: plain, FP
 
 __all__ = [
     "CacheConfig", "CheckpointError", "ConfigError", "Engine", "MeshConfig", "MissingTensorError", "ModelConfig",
-    "Params", "QuantConfig", "Request", "RequestError", "RequestOutput", "SequenceTooLongError", "ServeConfig",
-    "ShapeMismatchError", "UnexpectedTensorError", "UnsupportedArchitectureError", "abstract_params", "forward",
-    "init_params", "load_checkpoint", "planner", "prefill",
+    "Params", "QuantConfig", "ReplicatedEngine", "Request", "RequestError", "RequestOutput", "SequenceTooLongError",
+    "ServeConfig", "ShapeMismatchError", "UnexpectedTensorError", "UnsupportedArchitectureError", "abstract_params",
+    "forward", "init_params", "load_checkpoint", "planner", "prefill",
 ]

@@ -292,17 +292,25 @@ class MeshConfig:
     ``prefill_tp`` devices for prefill and the next ``decode_tp * decode_ep`` for decode (disaggregated; both phases
     share the only device of a one-device machine), or the first ``decode_tp * decode_ep`` (colocated). A set the
     machine does not have is a ``ConfigError`` when the engine is built, naming the device count and how to simulate
-    more on a CPU (``phaseserve.sharding``)."""
+    more on a CPU (``phaseserve.sharding``).
+
+    ``replicas``: data-parallel engine replicas (:class:`~phaseserve.engine.replicas.ReplicatedEngine`), each an
+    engine of its own over the next consecutive block of devices, laid out as above within its block; explicit
+    device indices cannot be combined with it. A plain :class:`~phaseserve.engine.Engine` takes ``replicas=1``."""
 
     prefill_devices: tuple[int, ...] | None = None
     decode_devices: tuple[int, ...] | None = None
     prefill_tp: int = 1
     decode_tp: int = 1
     decode_ep: int = 1
+    replicas: int = 1
 
     def __post_init__(self):
-        for name in ("prefill_tp", "decode_tp", "decode_ep"):
+        for name in ("prefill_tp", "decode_tp", "decode_ep", "replicas"):
             _positive_int(f"MeshConfig.{name}", getattr(self, name))
+        _check(self.replicas == 1 or (self.prefill_devices is None and self.decode_devices is None),
+               f"MeshConfig.replicas={self.replicas} lays out each replica's devices itself; leave prefill_devices "
+               f"and decode_devices unset (got {self.prefill_devices!r}, {self.decode_devices!r})")
         for name in ("prefill_devices", "decode_devices"):
             ids = getattr(self, name)
             _check(ids is None or (len(ids) > 0 and all(isinstance(i, int | np.integer) and i >= 0 for i in ids)),

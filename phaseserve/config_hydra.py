@@ -98,6 +98,7 @@ class MeshSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     decode_ep: int = 1
+    replicas: int = 1  # data-parallel engine replicas (ReplicatedEngine), each over its own block of devices
 
 
 @dataclass
@@ -280,7 +281,8 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
                         integrity=bool(single(c.integrity, "cache.integrity")), admission=str(c.admission))
     mesh = MeshConfig(prefill_devices=tuple(m.prefill_devices) if m.prefill_devices is not None else None,
                       decode_devices=tuple(m.decode_devices) if m.decode_devices is not None else None,
-                      prefill_tp=int(m.prefill_tp), decode_tp=int(m.decode_tp), decode_ep=int(m.decode_ep))
+                      prefill_tp=int(m.prefill_tp), decode_tp=int(m.decode_tp), decode_ep=int(m.decode_ep),
+                      replicas=int(m.replicas))
     max_batch = e.max_batch if e.max_batch is not None else max(int(x) for x in as_list(cfg.workload.concurrency))
     return ServeConfig(mode=str(e.mode), quant=quant, cache=cache, mesh=mesh, max_batch=int(max_batch),
                        max_prefill_tokens=int(e.max_prefill_tokens), max_context=e.max_context, seed=int(e.seed))

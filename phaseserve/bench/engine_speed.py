@@ -15,6 +15,10 @@ What is timed, per run:
   the decode device call (``schedule()``, page tables, integrity bookkeeping, token emission all count).
 - **phaseserve, pool sized to the batch**: the same on an engine per batch whose pool holds exactly that batch's
   pages (plus the null page), which shows what the pool's size costs the decode step at each batch.
+- **phaseserve, replicas** (``experiment.replicas`` > 1; default 2, with ``mesh.host_devices: 2`` simulated CPU
+  devices): :class:`~phaseserve.engine.ReplicatedEngine`, that many data-parallel engines (each with the shared
+  arm's cache config) on their own devices, the batch split between them by load -- how the engine uses a second
+  core (on XLA:CPU one engine's decode step keeps about one busy), as transformers uses a second torch thread.
 - **transformers**: ``model.generate`` of the whole batch (tokens/s); TTFT (prefill plus the first token) and TPOT
   ((last token - first token) / (new_tokens - 1)) from the times that same call streamed each step; torch runs with
   ``experiment.torch_threads`` threads (default null: at each batch, whichever count that batch's thread check
@@ -46,12 +50,13 @@ from omegaconf import DictConfig
 from phaseserve.bench import report as rp
 from phaseserve.bench.measure import CompileCounter, aggregate, compile_free, environment, paired, rotated, stats
 from phaseserve.config_hydra import as_list, hf_dict, repo_path, serve_config, to_container
-from phaseserve.engine import Engine, Request
+from phaseserve.engine import Engine, ReplicatedEngine, Request
 from phaseserve.markdown import fmt
 
 HF = "transformers"
-SHARED, SIZED = "phaseserve", "phaseserve, pool sized to the batch"
-ARMS = [SHARED, SIZED, HF]
+SHARED, SIZED, REPLICAS = "phaseserve", "phaseserve, pool sized to the batch", "phaseserve, replicas"
+ARMS = [SHARED, SIZED, REPLICAS, HF]  # REPLICAS runs where experiment.replicas > 1
+ENGINE_ARMS = [SHARED, SIZED, REPLICAS]
 METRICS = ["tok_per_s", "ttft_s", "tpot_s", "host_fraction"]
 
 
@@ -89,10 +94,10 @@ def prompts(cfg: DictConfig, vocab: int, n: int, length: int, seed: int) -> list
     return np.random.default_rng(seed).integers(1, vocab, (n, length)).tolist()
 
 
-def run_engine(engine: Engine, toks: list[list[int]], new: int, tag: str) -> dict:
+def run_engine(engine: Engine | ReplicatedEngine, toks: list[list[int]], new: int, tag: str) -> dict:
     """One timed ``generate`` of the batch (the engine's cap is the batch size)."""
     engine.reset_metrics()
-    engine.scheduler.max_batch = len(toks)
+    engine.max_batch = len(toks)
     outs = engine.generate([Request(id=f"{tag}{i}", prompt=p, max_tokens=new, ignore_eos=True)
                             for i, p in enumerate(toks)])
     s = engine.summary()
@@ -178,18 +183,23 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         (SIZED, b): Engine(model_cfg, params, dataclasses.replace(
             serve, max_batch=b, cache=dataclasses.replace(serve.cache, num_pages=b * per_req + 1,
                                                           kv_budget_bytes=None))) for b in batches}
+    n_rep = int(spec.get("replicas") or 1)
+    if n_rep > 1:
+        replicas = ReplicatedEngine(model_cfg, params, serve, replicas=n_rep)
+        engines |= {(REPLICAS, b): replicas for b in batches}
+    arms = [a for a in ARMS if a == HF or any(k[0] == a for k in engines)]
     data = {b: prompts(cfg, model_cfg.vocab_size, b, plen, seed=b) for b in batches}
     checks = {b: thread_check(hf, data[b], new) for b in batches}
     hf_threads = {b: int(spec.torch_threads or fastest_threads(checks[b])) for b in batches}
     for b in batches:  # warm-up: every shape of every timed run, every arm
-        for arm in (SHARED, SIZED):
+        for arm in arms[:-1]:
             run_engine(engines[(arm, b)], data[b], new, f"warm{b}-")
         torch.set_num_threads(hf_threads[b])
         run_hf(hf, data[b], new)
     records, tokens = [], {}
     for rep in range(repeats):
         for j, b in enumerate(batches):
-            for order, arm in enumerate(rotated(ARMS, rep + j)):
+            for order, arm in enumerate(rotated(arms, rep + j)):
                 if arm == HF:
                     torch.set_num_threads(hf_threads[b])
                     rec, reruns = run_hf(hf, data[b], new), 0
@@ -202,18 +212,20 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                 records.append(rec)
                 log(f"repeat {rep + 1}/{repeats} batch {b} {arm}: {rec['tok_per_s']:.1f} tok/s")
     agg = aggregate(records, METRICS)
-    ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in (SHARED, SIZED)}
+    ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in arms[:-1]}
     agree = {b: agreement(tokens[(SHARED, b)], tokens[(HF, b)]) for b in batches}
+    agree_rep = {b: agreement(tokens[(REPLICAS, b)], tokens[(HF, b)]) for b in batches} if n_rep > 1 else {}
     threads = {str(b): n for b, n in hf_threads.items()}
     results = {"experiment": "engine", "environment": env | {"torch": torch.__version__, "torch_threads": threads},
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant), "batches": batches,
-                            "prompt_len": plen, "new_tokens": new, "repeats": repeats,
+                            "prompt_len": plen, "new_tokens": new, "repeats": repeats, "arms": arms,
+                            "replicas": n_rep,
                             "pool_pages": shared.num_pages, "sized_pool_pages": {b: b * per_req + 1 for b in batches},
                             "num_params": int(sum(np.size(x) for x in _leaves(params)))},
                "thread_check": {str(b): {str(n): stats(v) for n, v in c.items()} for b, c in checks.items()},
                "records": records, "aggregate": agg, "ratio_tok_per_s": ratio, "greedy_agreement": agree,
-               "headline": headline(agg, ratio, agree, batches)}
-    plots = _plots(out_dir, agg, batches)
+               "greedy_agreement_replicas": agree_rep, "headline": headline(agg, ratio, agree, batches)}
+    plots = _plots(out_dir, agg, batches, arms)
     rp.write_outputs(out_dir, cfg, results, _markdown(results, plots))
     return results
 
@@ -225,13 +237,12 @@ def _leaves(params: Any) -> list:
 
 
 def headline(agg: dict, ratio: dict, agree: dict, batches: list[int]) -> dict:
-    """Per batch: the paired tokens/s ratios of both engine arms over transformers (median, min, max), the shared
-    engine's host fraction median and greedy agreement."""
+    """Per batch: the paired tokens/s ratios of the engine arms over transformers (median, min, max; the replicas'
+    where that arm ran), the shared engine's host fraction median and greedy agreement."""
     keep = ("median", "min", "max", "n")
-    return {str(b): {"ratio": {k: ratio[SHARED][b][k] for k in keep},
-                     "ratio_sized": {k: ratio[SIZED][b][k] for k in keep},
-                     "host_fraction": agg[SHARED][b]["host_fraction"]["median"], "agreement": agree[b]}
-            for b in batches}
+    keys = {"ratio": SHARED, "ratio_sized": SIZED, "ratio_replicas": REPLICAS}
+    return {str(b): {key: {k: ratio[arm][b][k] for k in keep} for key, arm in keys.items() if arm in ratio}
+            | {"host_fraction": agg[SHARED][b]["host_fraction"]["median"], "agreement": agree[b]} for b in batches}
 
 
 def verdict_lines(results: dict) -> list[str]:
@@ -244,21 +255,23 @@ def verdict_lines(results: dict) -> list[str]:
 
     host = ", ".join(f"{fmt(100 * x['host_fraction'])}% at batch {b}" for b, x in h.items())
     agree = ", ".join(f"{fmt(x['agreement'])}" for x in h.values())
-    n = next(iter(h.values()))["ratio"]["n"]
-    return [f"phaseserve / transformers generate tokens/s (median [range] of {n} paired repeats): {parts('ratio')}; "
-            f"with the pool sized to the batch: {parts('ratio_sized')}",
+    first = next(iter(h.values()))
+    reps = (f"; {results['settings']['replicas']} data-parallel replicas: {parts('ratio_replicas')}"
+            if "ratio_replicas" in first else "")
+    return [f"phaseserve / transformers generate tokens/s (median [range] of {first['ratio']['n']} paired repeats): "
+            f"{parts('ratio')}; with the pool sized to the batch: {parts('ratio_sized')}{reps}",
             f"engine host overhead (schedule() included) as a share of the decode loop: {host}",
             f"greedy token agreement per batch: {agree}"]
 
 
-def _plots(out_dir: Path, agg: dict, batches: list[int]) -> list[str]:
+def _plots(out_dir: Path, agg: dict, batches: list[int], arms: list[str]) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    rp.line_plot(out_dir / "tokens_per_s.png", rp.metric_series(agg, "tok_per_s", ARMS, batches),
+    rp.line_plot(out_dir / "tokens_per_s.png", rp.metric_series(agg, "tok_per_s", arms, batches),
                  xlabel="batch (concurrent requests)", ylabel="output tokens/s",
                  title="phaseserve vs transformers generate (same weights, one process)")
     tpot = {a: (xs, [None if y is None else 1e3 * y for y in ys], [None if y is None else 1e3 * y for y in lo],
                 [None if y is None else 1e3 * y for y in hi])
-            for a, (xs, ys, lo, hi) in rp.metric_series(agg, "tpot_s", ARMS, batches).items()}
+            for a, (xs, ys, lo, hi) in rp.metric_series(agg, "tpot_s", arms, batches).items()}
     rp.line_plot(out_dir / "tpot.png", tpot, xlabel="batch (concurrent requests)", ylabel="TPOT p50 (ms)",
                  title="time per output token")
     return ["tokens_per_s.png", "tpot.png"]
@@ -271,11 +284,21 @@ def _markdown(res: dict, plots: list[str]) -> str:
         e, z, h = agg[SHARED][b], agg[SIZED][b], agg[HF][b]
         r, rz = res["ratio_tok_per_s"][SHARED][b], res["ratio_tok_per_s"][SIZED][b]
         rows.append([b, rp.spread(e["tok_per_s"]), rp.spread(z["tok_per_s"]), rp.spread(h["tok_per_s"]),
-                     f"{fmt(r['median'])}x [{fmt(r['min'])}, {fmt(r['max'])}]",
-                     f"{fmt(rz['median'])}x [{fmt(rz['min'])}, {fmt(rz['max'])}]",
+                     _ratio(r), _ratio(rz),
                      rp.spread(_ms(e["ttft_s"])), rp.spread(_ms(h["ttft_s"])), rp.spread(_ms(e["tpot_s"])),
                      rp.spread(_ms(z["tpot_s"])), rp.spread(_ms(h["tpot_s"])), rp.spread(_pc(e["host_fraction"])),
                      res["greedy_agreement"][b], env["torch_threads"][str(b)]])
+    rep_rows = [[b, rp.spread(agg[REPLICAS][b]["tok_per_s"]), _ratio(res["ratio_tok_per_s"][REPLICAS][b]),
+                 rp.spread(_ms(agg[REPLICAS][b]["ttft_s"])), rp.spread(_ms(agg[REPLICAS][b]["tpot_s"])),
+                 rp.spread(_pc(agg[REPLICAS][b]["host_fraction"])), res["greedy_agreement_replicas"][b]]
+                for b in s["batches"]] if REPLICAS in res["ratio_tok_per_s"] else []
+    replicas = [] if not rep_rows else [
+        f"Data-parallel replicas: `ReplicatedEngine` with {s['replicas']} engines, one per device "
+        f"({len(env.get('devices', []))} in this process), each with the `phaseserve` arm's cache config and the "
+        "batch split between them by load (at batch 1 one replica serves alone); ratio paired with transformers in "
+        "the same repeat; host %: the mean over the replicas that served requests.", "",
+        rp.markdown_table(["batch", "replicas tok/s", "ratio (paired)", "TTFT ms", "TPOT ms",
+                           "host % of decode loop", "greedy agreement"], rep_rows), ""]
     spread_note = ("a band is drawn where there are two or more repeats (min to max)" if s["repeats"] > 1
                    else "one repeat: no band")
     return "\n".join([
@@ -295,6 +318,7 @@ def _markdown(res: dict, plots: list[str]) -> str:
                            "sized pool ratio", "phaseserve TTFT ms", "transformers TTFT ms", "phaseserve TPOT ms",
                            "sized pool TPOT ms", "transformers TPOT ms", "engine host % of decode loop",
                            "greedy agreement", "transformers threads"], rows), "",
+        *replicas,
         f"Pools: `phaseserve` has {s['pool_pages']} pages (the `cache` config, for the largest batch); the sized "
         f"pool has exactly each batch's pages plus the null page ({s['sized_pool_pages']} by batch). Ratios are "
         "each engine arm's tokens/s over transformers', paired within a repeat.", "",
@@ -305,6 +329,10 @@ def _markdown(res: dict, plots: list[str]) -> str:
         *[f"![{p}]({p})" for p in plots], "", f"Plots: median per batch; {spread_note}.", "",
         rp.environment_section(env),
     ])
+
+
+def _ratio(r: dict) -> str:
+    return f"{fmt(r['median'])}x [{fmt(r['min'])}, {fmt(r['max'])}]"
 
 
 def _ms(st: dict) -> dict:

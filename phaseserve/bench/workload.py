@@ -93,7 +93,7 @@ def reset_engine(engine: Engine, max_batch: int) -> None:
     if leaked:
         raise RuntimeError(f"engine holds {leaked} pages with no request running (leak)")
     engine.reset_metrics()
-    engine.scheduler.max_batch = int(max_batch)
+    engine.max_batch = int(max_batch)
 
 
 def drive(engine: Engine, requests: list[Request], concurrency: int, arrival: str = "closed",

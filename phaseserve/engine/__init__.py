@@ -1,6 +1,8 @@
-"""The serving engine: requests, scheduler, prefill and decode workers, KV handoff, metrics."""
+"""The serving engine: requests, scheduler, prefill and decode workers, KV handoff, metrics; data-parallel
+replicas of it (``replicas``)."""
 
 from phaseserve.engine.engine import Engine, EngineBusyError
+from phaseserve.engine.replicas import ReplicatedEngine
 from phaseserve.engine.request import (
     FINISH_REASONS,
     CancelledError,
@@ -17,4 +19,4 @@ from phaseserve.engine.request import (
 
 __all__ = ["FINISH_REASONS", "CancelledError", "DuplicateRequestError", "EmptyPromptError", "Engine",
            "EngineBusyError", "InvalidParameterError", "InvalidRequestIdError", "InvalidTokenError",
-           "PromptTooLongError", "Request", "RequestError", "RequestOutput"]
+           "PromptTooLongError", "ReplicatedEngine", "Request", "RequestError", "RequestOutput"]

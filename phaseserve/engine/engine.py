@@ -46,7 +46,7 @@ from typing import Any
 import jax
 
 from phaseserve.cache.paged import kv_bytes_per_token
-from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.config import ConfigError, ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_pool
 from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
@@ -65,11 +65,17 @@ class EngineBusyError(RuntimeError):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: Params, serve: ServeConfig | None = None, *,
-                 attn_impl: str = "auto", matmul_impl: str = "auto", handoff: Any = None):
+                 attn_impl: str = "auto", matmul_impl: str = "auto", handoff: Any = None, devices: list | None = None):
+        """``devices``: the devices this engine lays its meshes out over (``MeshConfig`` indices refer to this
+        list); default ``jax.devices()``. Data-parallel replicas (``MeshConfig.replicas > 1``) are
+        :class:`~phaseserve.engine.replicas.ReplicatedEngine`'s, which builds one engine per block of devices."""
         self.cfg = cfg
         self.serve = serve = serve or ServeConfig()
         m, q, c = serve.mesh, serve.quant, serve.cache
-        pre_devs, dec_devs = phase_devices(jax.devices(), m, serve.mode)
+        if m.replicas != 1:
+            raise ConfigError(f"MeshConfig.replicas={m.replicas}: build a ReplicatedEngine (phaseserve.engine), "
+                              f"which runs one Engine per replica")
+        pre_devs, dec_devs = phase_devices(devices if devices is not None else jax.devices(), m, serve.mode)
         self.decode_mesh = make_mesh(dec_devs, tp=m.decode_tp, ep=m.decode_ep)
         self.prefill_mesh = self.decode_mesh if serve.mode == "colocated" else make_mesh(pre_devs, tp=m.prefill_tp)
 
@@ -117,6 +123,15 @@ class Engine:
         engine_cfg = hydra_cfg.get("engine") or {}
         return cls(cfg, params, serve, attn_impl=engine_cfg.get("attn_impl", "auto"),
                    matmul_impl=engine_cfg.get("matmul_impl", "auto"))
+
+    @property
+    def max_batch(self) -> int:
+        """The concurrency cap (decode rows) the scheduler admits up to; settable between runs."""
+        return self.scheduler.max_batch
+
+    @max_batch.setter
+    def max_batch(self, value: int) -> None:
+        self.scheduler.max_batch = value
 
     @property
     def pool(self):

@@ -36,7 +36,8 @@ def test_engine_experiment_writes_both_arms_and_agrees_in_float32(tmp_path):
     engine_recs = [r for r in recs if r["arm"] != engine_speed.HF]
     assert all(r["reruns"] == 0 for r in engine_recs)  # warmed up: no compile inside a timed run
     assert all(0 <= r["host_fraction"] < 1 for r in engine_recs)
-    assert data["greedy_agreement"] == {"2": 1.0}
+    assert data["greedy_agreement"] == {"2": 1.0} and data["greedy_agreement_replicas"] == {"2": 1.0}
+    assert data["settings"]["replicas"] == 2 and "phaseserve, replicas" in data["ratio_tok_per_s"]
     assert {r["arm"] for r in recs} == set(engine_speed.ARMS)
     check = data["thread_check"]["2"]  # at each batch, transformers runs with the thread count that batch's check
     assert set(check) >= {"1"}  # found faster
@@ -44,3 +45,5 @@ def test_engine_experiment_writes_both_arms_and_agrees_in_float32(tmp_path):
     ratio = res["ratio_tok_per_s"][engine_speed.SHARED][2]["median"]
     lines = engine_speed.verdict_lines(res)
     assert len(lines) == 3 and f"batch 2: {fmt(ratio)}x" in lines[0] and lines[0] in md
+    rep = res["ratio_tok_per_s"][engine_speed.REPLICAS][2]["median"]
+    assert f"2 data-parallel replicas: batch 2: {fmt(rep)}x" in lines[0] and "| replicas tok/s |" in md
