@@ -215,6 +215,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in arms[:-1]}
     agree = {b: agreement(tokens[(SHARED, b)], tokens[(HF, b)]) for b in batches}
     agree_rep = {b: agreement(tokens[(REPLICAS, b)], tokens[(HF, b)]) for b in batches} if n_rep > 1 else {}
+    over_one = paired(records, REPLICAS, SHARED, "tok_per_s") if n_rep > 1 else {}
     threads = {str(b): n for b, n in hf_threads.items()}
     results = {"experiment": "engine", "environment": env | {"torch": torch.__version__, "torch_threads": threads},
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant), "batches": batches,
@@ -224,7 +225,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             "num_params": int(sum(np.size(x) for x in _leaves(params)))},
                "thread_check": {str(b): {str(n): stats(v) for n, v in c.items()} for b, c in checks.items()},
                "records": records, "aggregate": agg, "ratio_tok_per_s": ratio, "greedy_agreement": agree,
-               "greedy_agreement_replicas": agree_rep, "headline": headline(agg, ratio, agree, batches)}
+               "greedy_agreement_replicas": agree_rep, "ratio_replicas_over_one_engine": over_one,
+               "headline": headline(agg, ratio, agree, batches)}
     plots = _plots(out_dir, agg, batches, arms)
     rp.write_outputs(out_dir, cfg, results, _markdown(results, plots))
     return results
@@ -289,16 +291,18 @@ def _markdown(res: dict, plots: list[str]) -> str:
                      rp.spread(_ms(z["tpot_s"])), rp.spread(_ms(h["tpot_s"])), rp.spread(_pc(e["host_fraction"])),
                      res["greedy_agreement"][b], env["torch_threads"][str(b)]])
     rep_rows = [[b, rp.spread(agg[REPLICAS][b]["tok_per_s"]), _ratio(res["ratio_tok_per_s"][REPLICAS][b]),
+                 _ratio(res["ratio_replicas_over_one_engine"][b]),
                  rp.spread(_ms(agg[REPLICAS][b]["ttft_s"])), rp.spread(_ms(agg[REPLICAS][b]["tpot_s"])),
                  rp.spread(_pc(agg[REPLICAS][b]["host_fraction"])), res["greedy_agreement_replicas"][b]]
                 for b in s["batches"]] if REPLICAS in res["ratio_tok_per_s"] else []
     replicas = [] if not rep_rows else [
         f"Data-parallel replicas: `ReplicatedEngine` with {s['replicas']} engines, one per device "
         f"({len(env.get('devices', []))} in this process), each with the `phaseserve` arm's cache config and the "
-        "batch split between them by load (at batch 1 one replica serves alone); ratio paired with transformers in "
-        "the same repeat; host %: the mean over the replicas that served requests.", "",
-        rp.markdown_table(["batch", "replicas tok/s", "ratio (paired)", "TTFT ms", "TPOT ms",
-                           "host % of decode loop", "greedy agreement"], rep_rows), ""]
+        "batch split between them by load (at batch 1 one replica serves alone); ratios paired within a repeat with "
+        "transformers and with the `phaseserve` arm (one engine, one device); host %: the mean over the replicas "
+        "that served requests.", "",
+        rp.markdown_table(["batch", "replicas tok/s", "ratio (paired)", "over one engine (paired)", "TTFT ms",
+                           "TPOT ms", "host % of decode loop", "greedy agreement"], rep_rows), ""]
     spread_note = ("a band is drawn where there are two or more repeats (min to max)" if s["repeats"] > 1
                    else "one repeat: no band")
     return "\n".join([

@@ -47,3 +47,4 @@ def test_engine_experiment_writes_both_arms_and_agrees_in_float32(tmp_path):
     assert len(lines) == 3 and f"batch 2: {fmt(ratio)}x" in lines[0] and lines[0] in md
     rep = res["ratio_tok_per_s"][engine_speed.REPLICAS][2]["median"]
     assert f"2 data-parallel replicas: batch 2: {fmt(rep)}x" in lines[0] and "| replicas tok/s |" in md
+    assert res["ratio_replicas_over_one_engine"][2]["n"] == 2

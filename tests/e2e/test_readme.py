@@ -74,3 +74,11 @@ def test_engine_quickstart_example_aborts_only_the_corrupted_request():
     assert "error" in lines["bad"] and "EmptyPromptError" in lines["bad"]
     assert all("length" in lines[f"r{i}"] for i in (0, 1, 2, 4, 5))
     assert "all free again: True" in out.stdout
+
+
+def test_replicas_example_matches_one_engine():
+    out = subprocess.run([sys.executable, "examples/replicas.py"], cwd=ROOT, env=one_device_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("same tokens as one engine: True") == 2, out.stdout
+    assert "requests per replica: [8, 8]" in out.stdout
