@@ -63,9 +63,20 @@ class EngineBusyError(RuntimeError):
     ``generate()`` inside a ``stream()`` loop): it would take the other driver's tokens."""
 
 
+def hydra_engine_args(hydra_cfg: Any) -> tuple[ModelConfig, Params, ServeConfig, str, str]:
+    """``(cfg, params, serve, attn_impl, matmul_impl)`` from a composed ``configs/config.yaml`` tree: the
+    positional arguments of :class:`Engine` and :class:`~phaseserve.engine.replicas.ReplicatedEngine`."""
+    from phaseserve.config_hydra import serve_config_from_hydra
+
+    cfg, params, serve = serve_config_from_hydra(hydra_cfg)
+    engine_cfg = hydra_cfg.get("engine") or {}
+    return cfg, params, serve, engine_cfg.get("attn_impl", "auto"), engine_cfg.get("matmul_impl", "auto")
+
+
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: Params, serve: ServeConfig | None = None, *,
-                 attn_impl: str = "auto", matmul_impl: str = "auto", handoff: Any = None, devices: list | None = None):
+    def __init__(self, cfg: ModelConfig, params: Params, serve: ServeConfig | None = None,
+                 attn_impl: str = "auto", matmul_impl: str = "auto", *, handoff: Any = None,
+                 devices: list | None = None):
         """``devices``: the devices this engine lays its meshes out over (``MeshConfig`` indices refer to this
         list); default ``jax.devices()``. Data-parallel replicas (``MeshConfig.replicas > 1``) are
         :class:`~phaseserve.engine.replicas.ReplicatedEngine`'s, which builds one engine per block of devices."""
@@ -117,12 +128,7 @@ class Engine:
     @classmethod
     def from_hydra(cls, hydra_cfg: Any) -> Engine:
         """An engine from a composed ``configs/config.yaml`` tree (model, quant, cache, mesh groups)."""
-        from phaseserve.config_hydra import serve_config_from_hydra
-
-        cfg, params, serve = serve_config_from_hydra(hydra_cfg)
-        engine_cfg = hydra_cfg.get("engine") or {}
-        return cls(cfg, params, serve, attn_impl=engine_cfg.get("attn_impl", "auto"),
-                   matmul_impl=engine_cfg.get("matmul_impl", "auto"))
+        return cls(*hydra_engine_args(hydra_cfg))
 
     @property
     def max_batch(self) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 
 from phaseserve.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
-from phaseserve.engine.engine import Engine, EngineBusyError
+from phaseserve.engine.engine import Engine, EngineBusyError, hydra_engine_args
 from phaseserve.engine.metrics import percentiles
 from phaseserve.engine.request import Request, RequestOutput
 from phaseserve.model.params import Params
@@ -108,12 +108,8 @@ class ReplicatedEngine:
     @classmethod
     def from_hydra(cls, hydra_cfg: Any) -> ReplicatedEngine:
         """Replicas from a composed ``configs/config.yaml`` tree (``mesh.replicas`` of them)."""
-        from phaseserve.config_hydra import serve_config_from_hydra
-
-        cfg, params, serve = serve_config_from_hydra(hydra_cfg)
-        engine_cfg = hydra_cfg.get("engine") or {}
-        return cls(cfg, params, serve, attn_impl=engine_cfg.get("attn_impl", "auto"),
-                   matmul_impl=engine_cfg.get("matmul_impl", "auto"))
+        cfg, params, serve, attn_impl, matmul_impl = hydra_engine_args(hydra_cfg)
+        return cls(cfg, params, serve, attn_impl=attn_impl, matmul_impl=matmul_impl)
 
     @property
     def num_pages(self) -> int:

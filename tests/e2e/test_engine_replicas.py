@@ -113,3 +113,21 @@ def test_route_balances_load(sizes, n):
     assert max(load) - min(load) <= max(p + m for p, m in sizes)  # greedy least-loaded: within one request
     dup = route(reqs + [reqs[0].replace(prompt=[1])], n)
     assert dup[-1] == dup[0]
+
+
+def test_replicas_from_hydra_config():
+    from hydra import compose, initialize_config_dir
+
+    import phaseserve.bench  # noqa: F401  (registers the structured configs the yaml files extend)
+
+    configs = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base=None):
+        cfg = compose(config_name="config", overrides=["model=tiny_mla", "mesh=single", "mesh.replicas=2",
+                                                       "engine.mode=colocated"])
+    eng = ReplicatedEngine.from_hydra(cfg)
+    assert len(eng.engines) == 2 and eng.serve.mesh.replicas == 2
+    assert [{d.id for d in e.decode_mesh.devices.flat} for e in eng.engines] == [{0}, {1}]
+    outs = eng.generate([Request(id=f"h{i}", prompt=[1, 2, 3 + i], max_tokens=4, ignore_eos=True) for i in range(2)])
+    assert all(o.finish_reason == "length" and len(o.tokens) == 4 for o in outs)
+    assert [p["requests"] for p in eng.summary()["replicas"]] == [1, 1]
+    eng.close()
