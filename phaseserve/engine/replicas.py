@@ -118,6 +118,7 @@ class ReplicatedEngine:
 
     @property
     def max_batch(self) -> int:
+        """The replicas' concurrency caps summed (after setting ``n``: ``replicas * ceil(n / replicas)``)."""
         return sum(e.scheduler.max_batch for e in self.engines)
 
     @max_batch.setter
