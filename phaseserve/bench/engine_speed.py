@@ -56,7 +56,6 @@ from phaseserve.markdown import fmt
 HF = "transformers"
 SHARED, SIZED, REPLICAS = "phaseserve", "phaseserve, pool sized to the batch", "phaseserve, replicas"
 ARMS = [SHARED, SIZED, REPLICAS, HF]  # REPLICAS runs where experiment.replicas > 1
-ENGINE_ARMS = [SHARED, SIZED, REPLICAS]
 METRICS = ["tok_per_s", "ttft_s", "tpot_s", "host_fraction"]
 
 
@@ -187,12 +186,13 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     if n_rep > 1:
         replicas = ReplicatedEngine(model_cfg, params, serve, replicas=n_rep)
         engines |= {(REPLICAS, b): replicas for b in batches}
-    arms = [a for a in ARMS if a == HF or any(k[0] == a for k in engines)]
+    engine_arms = [SHARED, SIZED] + ([REPLICAS] if n_rep > 1 else [])
+    arms = [*engine_arms, HF]
     data = {b: prompts(cfg, model_cfg.vocab_size, b, plen, seed=b) for b in batches}
     checks = {b: thread_check(hf, data[b], new) for b in batches}
     hf_threads = {b: int(spec.torch_threads or fastest_threads(checks[b])) for b in batches}
     for b in batches:  # warm-up: every shape of every timed run, every arm
-        for arm in arms[:-1]:
+        for arm in engine_arms:
             run_engine(engines[(arm, b)], data[b], new, f"warm{b}-")
         torch.set_num_threads(hf_threads[b])
         run_hf(hf, data[b], new)
@@ -212,7 +212,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                 records.append(rec)
                 log(f"repeat {rep + 1}/{repeats} batch {b} {arm}: {rec['tok_per_s']:.1f} tok/s")
     agg = aggregate(records, METRICS)
-    ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in arms[:-1]}
+    ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in engine_arms}
     agree = {b: agreement(tokens[(SHARED, b)], tokens[(HF, b)]) for b in batches}
     agree_rep = {b: agreement(tokens[(REPLICAS, b)], tokens[(HF, b)]) for b in batches} if n_rep > 1 else {}
     over_one = paired(records, REPLICAS, SHARED, "tok_per_s") if n_rep > 1 else {}
@@ -252,8 +252,7 @@ def verdict_lines(results: dict) -> list[str]:
     h = results["headline"]
 
     def parts(key: str) -> str:
-        return "; ".join(f"batch {b}: {fmt(x[key]['median'])}x [{fmt(x[key]['min'])}, "
-                         f"{fmt(x[key]['max'])}]" for b, x in h.items())
+        return "; ".join(f"batch {b}: {_ratio(x[key])}" for b, x in h.items())
 
     host = ", ".join(f"{fmt(100 * x['host_fraction'])}% at batch {b}" for b, x in h.items())
     agree = ", ".join(f"{fmt(x['agreement'])}" for x in h.values())
