@@ -17,7 +17,12 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
   event (``stream_interval`` 1);
 - ``http-coalesced`` (when ``experiment.coalesced_interval`` > 1): the same, with the server sending one event per
   ``coalesced_interval`` tokens (:class:`~phaseserve.server.EngineLoop`'s ``stream_interval``; the first token and
-  the end at once): fewer events for the server to write and the client to parse.
+  the end at once): fewer events for the server to write and the client to parse;
+- ``http-frontend`` (when ``experiment.frontend_cpus`` is set, e.g. ``[1]``): as ``http``, with uvicorn's thread
+  moved to those CPUs for the run and back after (the engine loop and XLA's workers stay where they are): the HTTP
+  frontend on a host core of its own, as on an accelerator server, where the HTTP layer's CPU time does not come
+  out of the engine's compute; the GIL still serializes its Python with the engine loop's. With the client on
+  the same CPUs, the frontend also competes with the client for them.
 
 The engine's numbers use the same definitions on its own clock (``RequestMetrics``: arrival at ``add_request``).
 ``overhead`` = HTTP throughput / in-process throughput per repeat (paired), and the same ratios of TTFT, TPOT and
@@ -25,7 +30,8 @@ e2e p50. On a CPU the client process, uvicorn and the engine share the machine's
 for its client's CPU time. Where the time goes, per run: the CPU seconds of the server process (engine, XLA
 threads, HTTP), split by thread (:func:`thread_cpu_s`: the engine loop's Python, uvicorn's event loop, and every
 other thread, where XLA runs the compiled steps), and of the client process, and the engine's own counters
-(prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls).
+(prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls), and the fill: from the
+engine's first arrival to its ``concurrency``-th (:func:`fill_s`; in-process microseconds).
 
 ``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
 to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
@@ -57,9 +63,11 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
-ARMS = ["in-process", "http", "http-coalesced"]
+ARMS = ["in-process", "http", "http-coalesced", "http-frontend"]
 THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine loop, uvicorn, the rest (XLA pools)
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
+FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long the first batch took to come in
+MS_COLS = {"ramp_s": "ramp ms", "tail_s": "tail ms", FILL: "fill ms"}
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
@@ -74,6 +82,7 @@ class HttpLoadSpec:
     coalesced_interval: int = 4  # the http-coalesced arm's tokens per streamed event (<= 1: no such arm)
     timeout_s: float = 300.0  # one client run
     client_cpus: list[int] | None = None  # pin the client here and the server to the other CPUs (None: no pinning)
+    frontend_cpus: list[int] | None = None  # the http-frontend arm: uvicorn's thread here (None: no such arm)
 
 
 # ---- the client process -----------------------------------------------------------------------------------
@@ -153,6 +162,17 @@ def split_cpus(client_cpus: list[int] | None) -> tuple[set[int], set[int]] | Non
     return client, usable - client
 
 
+def frontend_cpus(spec_cpus: list[int] | None) -> set[int] | None:
+    """The CPUs of the HTTP thread from ``experiment.frontend_cpus`` (None: it stays on the server's). Raises
+    ValueError for a CPU this process may not use."""
+    if not spec_cpus:
+        return None
+    usable, front = os.sched_getaffinity(0), set(spec_cpus)
+    if not front <= usable:
+        raise ValueError(f"experiment.frontend_cpus={sorted(front)} must be among the usable CPUs {sorted(usable)}")
+    return front
+
+
 def client_main(conn: Any, base_url: str, model: str, timeout_s: float, cpus: set[int] | None = None) -> None:
     """The client process: run each ``(requests, concurrency)`` job received on ``conn``; ``None`` ends it. One
     ``AsyncOpenAI`` client (one connection pool, on one event loop) serves every job, as a load generator keeps
@@ -197,14 +217,30 @@ class Client:
 
 
 # ---- the experiment ---------------------------------------------------------------------------------------
-def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int, interval: int = 1) -> dict:
+def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c: int, interval: int = 1,
+              pin: tuple[int, set[int], set[int]] | None = None) -> dict:
+    """One HTTP run; ``pin`` = (uvicorn's thread id, its CPUs for this run, its CPUs after)."""
     def prepare(_):
         reset_engine(engine, max_batch=c)
         loop.stream_interval = interval
 
     loop.run_exclusive(prepare).result()
-    rec = client.run(reqs, c)
-    return rec | split_wall(rec, loop.run_exclusive(lambda _: list(engine.outputs.values())).result())
+    if pin is not None:
+        os.sched_setaffinity(pin[0], pin[1])
+    try:
+        rec = client.run(reqs, c)
+    finally:
+        if pin is not None:
+            os.sched_setaffinity(pin[0], pin[2])
+    outputs = loop.run_exclusive(lambda _: list(engine.outputs.values())).result()
+    return rec | split_wall(rec, outputs) | {FILL: fill_s(outputs, c)}
+
+
+def fill_s(outputs: list, c: int) -> float:
+    """Seconds from the engine's first arrival to its ``c``-th: how long the first batch of a closed loop at
+    concurrency ``c`` took to come in (in-process microseconds: the first batch is added in one loop)."""
+    arrivals = sorted(o.metrics.arrival for o in outputs)
+    return arrivals[min(c, len(arrivals)) - 1] - arrivals[0]
 
 
 def split_wall(rec: dict, outputs: list) -> dict:
@@ -235,7 +271,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     from phaseserve.server.launch import http_stack, start_in_thread
 
     spec, out_dir = experiment_spec(cfg, HttpLoadSpec), Path(out_dir)
-    cpus = split_cpus(spec.client_cpus)
+    cpus, front = split_cpus(spec.client_cpus), frontend_cpus(spec.frontend_cpus)
     if cpus is not None:  # before JAX starts: XLA sizes its thread pools to the CPUs it may use
         pin_process(cpus[1])  # every server thread (engine loop, XLA workers, uvicorn) inherits it
     env = environment()
@@ -250,8 +286,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     loop: EngineLoop = app.state.loop
     tids = {"engine_loop": loop.native_id, "http": thread.native_id}
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
-    arms = ARMS if spec.coalesced_interval > 1 else ARMS[:2]
-    intervals = {"http": 1, "http-coalesced": spec.coalesced_interval}
+    arms = [a for a in ARMS if (a != "http-coalesced" or spec.coalesced_interval > 1)
+            and (a != "http-frontend" or front is not None)]
+    intervals = {"http": 1, "http-coalesced": spec.coalesced_interval, "http-frontend": 1}
+    pins = {"http-frontend": (thread.native_id, front, os.sched_getaffinity(thread.native_id))} if front else {}
     records = []
     try:
         for c in concs:
@@ -264,9 +302,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     def timed(arm=arm, reqs=reqs, c=c) -> dict:
                         cpu0, threads0 = time.process_time(), thread_cpu_s(tids)
                         if arm in intervals:
-                            rec = _http_run(loop, client, engine, reqs, c, intervals[arm])
+                            rec = _http_run(loop, client, engine, reqs, c, intervals[arm], pins.get(arm))
                         else:
-                            rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")).result()
+                            rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")
+                                                     | {FILL: fill_s(list(engine.outputs.values()), c)}).result()
                             rec |= {"ramp_s": 0.0, "engine_wall_s": rec["wall_s"], "tail_s": 0.0,
                                     "engine_tok_per_s": rec["output_tok_per_s"]}
                         threads = thread_cpu_s(tids)
@@ -277,7 +316,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
-                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT)}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, FILL)}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
@@ -295,10 +334,11 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
                             "workload": to_container(cfg.workload), "repeats": spec.repeats,
                             "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
-                            "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])}},
+                            "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])},
+                            "frontend_cpus": None if front is None else sorted(front)},
                "records": records, "ratio_http_over_in_process": ratios,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
-                                                        "client_cpu_s", "wall_s", *SPLIT]
+                                                        "client_cpu_s", "wall_s", *SPLIT, FILL]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -341,6 +381,15 @@ def _cpus_line(cpus: dict | None) -> str:
             "in-process arm runs on the same cores as the server): the client stands in for one on another machine.")
 
 
+def _frontend_words(settings: dict) -> str:
+    front = settings.get("frontend_cpus")
+    if not front:
+        return ""
+    return (f"; `http-frontend` streams every token with uvicorn's thread moved to CPUs {front} for the run (the "
+            "engine loop and XLA keep theirs): the HTTP frontend on a host core of its own, as on an accelerator "
+            "server, where it does not take the engine's compute")
+
+
 def _stack_line(stack: dict | None) -> str:
     if not stack:
         return "its defaults (not recorded)"
@@ -356,6 +405,7 @@ def markdown(results: dict) -> str:
     split = f"cpu_{THREADS[0]}_s" in next(iter(agg[arms[0]].values()))  # older runs: one server CPU column
     threads_cols = ["engine-loop thread CPU s", "uvicorn thread CPU s", "other threads CPU s"] if split else []
     cpu_cols = ["wall_s", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS if split), "client_cpu_s"]
+    ms_cols = ["ramp_s", "tail_s", *([FILL] if FILL in next(iter(agg[arms[0]].values())) else [])]
     for c in points:
         for arm in arms:
             a = agg[arm][c]
@@ -364,7 +414,7 @@ def markdown(results: dict) -> str:
                            for m in METRICS[1:])])
             where.append([c, arm, *(rp.spread(a[m]) for m in cpu_cols),
                           *(rp.spread({k: v * 1e3 if isinstance(v, float) else v for k, v in a[m].items()})
-                            for m in ["ramp_s", "tail_s"]),
+                            for m in ms_cols),
                           *(rp.spread(a[f"engine.{k}"]) for k in ENGINE_COUNTERS)])
     ratio_rows = [[c, arm, *(rp.spread(by_metric[m][c]) for m in by_metric)] for arm, by_metric in ratios.items()
                   for c in points]
@@ -377,7 +427,8 @@ def markdown(results: dict) -> str:
         f"{s['repeats']} repeats [min, max]; times in ms. Client numbers are measured by an `AsyncOpenAI` client "
         "in its own process (streamed completions); in-process numbers by the engine's own clock on the same "
         "requests, run by the server's engine loop between HTTP runs. `http` streams every token as an event, "
-        f"`http-coalesced` one event per {s.get('coalesced_interval')} tokens. Timed runs repeated because JAX "
+        f"`http-coalesced` one event per {s.get('coalesced_interval')} tokens{_frontend_words(s)}. Timed runs "
+        "repeated because JAX "
         f"compiled inside them: {sum(r.get('reruns', 0) for r in results['records'])}. {_cpus_line(s.get('cpus'))} "
         f"Server: uvicorn with {_stack_line(s.get('http_stack'))}.",
         rp.markdown_table(["concurrency", "arm", "tok/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95",
@@ -388,8 +439,9 @@ def markdown(results: dict) -> str:
         "threads, HTTP -- split by thread (the engine loop, which runs the in-process arm too; uvicorn's; every other "
         "thread, XLA's worker pools among them), and of the client process; the client's ramp (its first send to the "
         "engine's first arrival) and tail (the engine's last finish to the client's last stream end), on the clock "
-        "both processes share; the engine's counters; seconds inside prefill / decode calls)",
-        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s", "ramp ms",
-                           "tail ms", *ENGINE_COUNTERS], where),
+        "both processes share; the fill: the engine's first arrival to its concurrency-th, i.e. how long the first "
+        "batch took to come in; the engine's counters; seconds inside prefill / decode calls)",
+        rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s",
+                           *(MS_COLS[m] for m in ms_cols), *ENGINE_COUNTERS], where),
         rp.environment_section(results["environment"]),
     ])

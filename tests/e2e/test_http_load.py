@@ -3,7 +3,7 @@ loopback port, the official ``openai`` client in its own process drives it besid
 request of every arm completes, each record says how many timed runs were repeated because JAX compiled inside
 them and splits the HTTP arm's wall time into the client's ramp, the engine's span and the tail (on the clock the
 two processes share), and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and
-pins every thread."""
+pins every thread; ``experiment.frontend_cpus`` adds the arm with uvicorn's thread moved, undone after."""
 
 from __future__ import annotations
 
@@ -23,12 +23,18 @@ OVERRIDES = ["model=tiny_mla", "+model.overrides.num_hidden_layers=1", "+model.o
 
 
 def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
+    front = max(os.sched_getaffinity(0))  # the http-frontend arm moves uvicorn's thread here for its runs
     with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="experiment/http_load", overrides=OVERRIDES)
+        cfg = compose(config_name="experiment/http_load", overrides=[*OVERRIDES, f"experiment.frontend_cpus=[{front}]"])
+    usable = os.sched_getaffinity(0)
     lines: list[str] = []
     res = http_load.run(cfg, tmp_path, log=lines.append)
+    assert os.sched_getaffinity(0) == usable  # the frontend pin was undone
     records = json.loads((tmp_path / "results.json").read_text())["records"]
-    assert sorted(r["arm"] for r in records) == ["http", "http-coalesced", "in-process"]
+    assert sorted(r["arm"] for r in records) == ["http", "http-coalesced", "http-frontend", "in-process"]
+    fills = {r["arm"]: r["fill_s"] for r in records}  # in-process the first batch is added in one loop; over HTTP
+    assert 0 <= fills["in-process"] < 1e-3, fills  # each request comes in its own handler
+    assert all(0 < fills[a] < r["wall_s"] for a in fills if a != "in-process" for r in records if r["arm"] == a), fills
     assert len({r["requests"] for r in records}) == 1 and records[0]["requests"] >= 2  # the same requests per arm
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
@@ -58,8 +64,18 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         "loop": "uvloop", "http": "httptools"}  # installed with the package: uvicorn's fast paths
     md = (tmp_path / "README.md").read_text()
     assert "Timed runs repeated because JAX compiled inside them" in md and "uvicorn thread CPU s" in md
+    assert "fill ms" in md and f"uvicorn's thread moved to CPUs [{front}]" in md
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["frontend_cpus"] == [front]
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
     assert any(line.startswith("  of which the server side") for line in lines)
+
+
+def test_frontend_cpus_must_be_usable():
+    usable = os.sched_getaffinity(0)
+    assert http_load.frontend_cpus(None) is None and http_load.frontend_cpus([]) is None
+    assert http_load.frontend_cpus([min(usable)]) == {min(usable)}
+    with pytest.raises(ValueError, match="frontend_cpus"):
+        http_load.frontend_cpus([max(usable) + 1])
 
 
 def test_client_cpus_split_the_usable_cpus_and_pin_every_thread():
