@@ -104,7 +104,7 @@ def measure(intervals: list[int], *, requests: int = 64, concurrency: int = 32, 
     try:
         for rep in range(repeats + 1):  # the first round warms the client, the server and the request paths
             for interval in intervals:
-                app.state.loop.stream_interval = interval
+                app.state.loops[0].stream_interval = interval
                 cpu0 = time.process_time()
                 rec = client.run(reqs, concurrency)
                 cpu = time.process_time() - cpu0

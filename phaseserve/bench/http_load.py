@@ -283,7 +283,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     log(f"engine built and warmed up in {time.perf_counter() - t0:.1f}s ({engine.num_pages} pages)")
     app = create_app(EngineBackend(engine), ByteTokenizer(), spec.model_name)
     server, thread, base = start_in_thread(app, keep_alive_s=spec.timeout_s)  # connections kept between runs
-    loop: EngineLoop = app.state.loop
+    loop: EngineLoop = app.state.loops[0]
     tids = {"engine_loop": loop.native_id, "http": thread.native_id}
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
     arms = [a for a in ARMS if (a != "http-coalesced" or spec.coalesced_interval > 1)

@@ -3,7 +3,10 @@
 ``create_app(backend, tokenizer, model_name, stream_interval)`` wraps an
 :class:`~phaseserve.server.loop.EngineBackend` (or a ``RouterBackend``) in an
 :class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and format, so no handler blocks the
-engine and every client's requests share its continuous batch. A stream writes one server-sent-events batch per
+engine and every client's requests share its continuous batch. ``backend`` may also be a list -- data-parallel
+replicas behind one endpoint (e.g. the engines of a :class:`phaseserve.ReplicatedEngine`), one loop thread each:
+a new request goes to the loop with the fewest tokens in flight (:class:`Balancer`), and ``/metrics`` sums the
+replicas' gauges and totals. A stream writes one server-sent-events batch per
 update the loop hands over (every token, or every ``stream_interval`` tokens; the last text delta carries the
 ``finish_reason``, and the usage chunk and ``[DONE]`` go in the same write).
 
@@ -23,6 +26,7 @@ releases its pages at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -62,20 +66,49 @@ def _failure(out: RequestOutput) -> ApiError | None:
     return None
 
 
-class Generation:
-    """One request in flight: token ids in, text deltas out (:meth:`deltas`), the output at the end."""
+class Balancer:
+    """Which engine loop takes a new request: the one with the fewest tokens in flight (prompt + ``max_tokens`` of
+    its requests not yet closed), ties to the lowest index -- data-parallel routing by load, as a load balancer in
+    front of vLLM or SGLang replicas does. Used from the event-loop thread only."""
 
-    def __init__(self, loop: EngineLoop, req: Request, text: TextStream):
-        self.loop, self.req, self.text = loop, req, text
-        self.handle = loop.submit(req)
+    def __init__(self, loops: list[EngineLoop]):
+        self.loops = loops
+        self.load = [0] * len(loops)
+
+    def acquire(self, req: Request) -> int:
+        i = min(range(len(self.loops)), key=lambda j: (self.load[j], j))
+        self.load[i] += len(req.prompt) + req.max_tokens
+        return i
+
+    def release(self, i: int, req: Request) -> None:
+        self.load[i] -= len(req.prompt) + req.max_tokens
+
+
+class Generation:
+    """One request in flight on the loop the balancer picks: token ids in, text deltas out (:meth:`deltas`), the
+    output at the end. :meth:`close` (always, once the handler is done with it) cancels it if unfinished and gives
+    its load back to the balancer."""
+
+    def __init__(self, balancer: Balancer, req: Request, text: TextStream):
+        self.balancer, self.req, self.text = balancer, req, text
+        self.index = balancer.acquire(req)
+        self.loop = balancer.loops[self.index]
+        self.handle = self.loop.submit(req)
         self.output: RequestOutput | None = None
         self._first: Update | None = None
+        self._closed = False
 
     async def start(self) -> None:
-        """Wait for the first update; raise the request's :class:`ApiError` if it was refused or failed at once."""
-        self._first = await self.handle.get()
-        err = self._error(self._first)
+        """Wait for the first update; raise the request's :class:`ApiError` if it was refused or failed at once
+        (then, or if the handler is cancelled meanwhile, the request is closed)."""
+        try:
+            self._first = await self.handle.get()
+            err = self._error(self._first)
+        except BaseException:
+            self.close()
+            raise
         if err is not None:
+            self.close()
             raise err
 
     def _error(self, up: Update) -> ApiError | None:
@@ -110,9 +143,13 @@ class Generation:
             yield delta + self.text.flush(), True
             return
 
-    def cancel(self) -> None:
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.output is None:
             self.loop.cancel(self.req.id)
+        self.balancer.release(self.index, self.req)
 
     @property
     def finish_reason(self) -> str:
@@ -125,15 +162,24 @@ class Generation:
 
 
 def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1) -> FastAPI:
+    """The app over ``backend`` (one, or a list of replicas: one engine loop each); ``app.state.loops`` holds the
+    loops while it runs."""
+    backends = list(backend) if isinstance(backend, list | tuple) else [backend]
+    if not backends:
+        raise ValueError("create_app needs at least one backend")
+    limits = backends[0].limits  # the replicas serve the same model
     metrics = ServerMetrics(model_name)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["loop"] = app.state.loop = EngineLoop(backend, on_finish=metrics.on_finish, on_step=metrics.on_step,
-                                                        stream_interval=stream_interval)
+        loops = [EngineLoop(b, on_finish=metrics.on_finish, on_step=functools.partial(metrics.on_step, source=i),
+                            stream_interval=stream_interval) for i, b in enumerate(backends)]
+        app.state.loops = loops
+        state["balancer"] = Balancer(loops)
         yield
-        state["loop"].close()
+        for loop in loops:
+            loop.close()
 
     app = FastAPI(title="phaseserve", lifespan=lifespan)
     app.state.metrics = metrics
@@ -170,7 +216,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
                     task.cancel()
                     raise ApiError(499, "client disconnected", "client_closed")
         finally:
-            gen.cancel()
+            gen.close()
 
     def sse(batches: AsyncIterator[list[dict]], gen: Generation) -> StreamingResponse:
         """Server-sent events: one write per batch of chunks (an update's chunks, and ``[DONE]`` with the last)."""
@@ -184,7 +230,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
             except ApiError as e:
                 yield f"data: {json.dumps(e.body)}\n\n"
             finally:
-                gen.cancel()  # a disconnect (or any early end) frees the request's pages now
+                gen.close()  # a disconnect (or any early end) frees the request's pages now
             if not done:
                 yield DONE
 
@@ -193,9 +239,10 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     # ---- endpoints --------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        loop = state.get("loop")
-        if loop is None or not loop.alive:
-            return JSONResponse({"status": "engine loop stopped", "error": repr(getattr(loop, "error", None))},
+        balancer = state.get("balancer")
+        dead = [loop for loop in balancer.loops if not loop.alive] if balancer else [None]
+        if dead:
+            return JSONResponse({"status": "engine loop stopped", "error": repr(getattr(dead[0], "error", None))},
                                 status_code=503)
         return {"status": "ok"}
 
@@ -206,14 +253,14 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "phaseserve", "max_model_len": backend.limits.max_context}]}
+                                            "owned_by": "phaseserve", "max_model_len": limits.max_context}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
         check_model(body.model)
         prompt = body.one_prompt
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        gen = Generation(state["loop"], new_request(ids, body, body.max_tokens), TextStream(tokenizer, body.stops))
+        gen = Generation(state["balancer"], new_request(ids, body, body.max_tokens), TextStream(tokenizer, body.stops))
         rid, created = f"cmpl-{gen.req.id}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         await gen.start()
@@ -238,9 +285,9 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         check_model(body.model)
         forced = forced_prefix(body, tokenizer)
         prompt = render_chat(body.messages, tokenizer) + forced
-        budget = body.token_budget(max(backend.limits.max_context - len(prompt), 1))
+        budget = body.token_budget(max(limits.max_context - len(prompt), 1))
         text = TextStream(tokenizer, body.stops, tools_on=body.tools_on, forced=forced)
-        gen = Generation(state["loop"], new_request(prompt, body, budget), text)
+        gen = Generation(state["balancer"], new_request(prompt, body, budget), text)
         rid, created = f"chatcmpl-{gen.req.id}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
         await gen.start()

@@ -54,13 +54,17 @@ def tokenizer_of(cfg: DictConfig) -> ByteTokenizer:
 
 
 def build_backend(cfg: DictConfig) -> Any:
-    """The engine backend the config asks for (weights loaded, engine or server processes started)."""
+    """The engine backend the config asks for (weights loaded, engine or server processes started); with
+    ``mesh.replicas`` > 1 (engine backend), a list of them: the engines of a :class:`phaseserve.ReplicatedEngine`,
+    one per device block, each to be driven by its own loop thread."""
     from phaseserve.server.loop import EngineBackend, RouterBackend
 
     backend = cfg.experiment.backend
     if backend == "engine":
-        from phaseserve.engine import Engine
+        from phaseserve.engine import Engine, ReplicatedEngine
 
+        if int(cfg.mesh.get("replicas", 1)) > 1:
+            return [EngineBackend(e) for e in ReplicatedEngine.from_hydra(cfg).engines]
         return EngineBackend(Engine.from_hydra(cfg))
     if backend != "router":
         raise ConfigError(f"experiment.backend must be 'engine' or 'router', got {backend!r}")
@@ -80,12 +84,17 @@ def serve(cfg: DictConfig) -> None:
 
     tok = tokenizer_of(cfg)
     backend = build_backend(cfg)
-    if backend.limits.vocab_size > tok.vocab_size or backend.limits.vocab_size < 256 + 5:
-        raise ConfigError(f"the model's vocabulary ({backend.limits.vocab_size}) does not fit the byte tokenizer")
-    if hasattr(backend, "engine"):  # compile the handoff's chunk sizes now, not while requests wait
-        backend.engine.warm_handoff()
+    backends = backend if isinstance(backend, list) else [backend]
+    vocab = backends[0].limits.vocab_size
+    if vocab > tok.vocab_size or vocab < 256 + 5:
+        raise ConfigError(f"the model's vocabulary ({vocab}) does not fit the byte tokenizer")
+    for b in backends:
+        if hasattr(b, "engine"):  # compile the handoff's chunk sizes now, not while requests wait
+            b.engine.warm_handoff()
     s = cfg.experiment
-    print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend) on http://{s.host}:{s.port}/v1", flush=True)
+    where = f", {len(backends)} replicas" if len(backends) > 1 else ""
+    print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend{where}) on http://{s.host}:{s.port}/v1",
+          flush=True)
     app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval))
     uvicorn.run(app, host=str(s.host), port=int(s.port), log_level=str(s.log_level))
 

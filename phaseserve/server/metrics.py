@@ -8,7 +8,8 @@ so the times are the engine's, not the HTTP layer's):
 - ``phaseserve:request_success_total{finished_reason}`` (length / stop -- a stop string included -- / aborted /
   error / cancelled by the client), ``phaseserve:prompt_tokens_total``, ``phaseserve:generation_tokens_total``.
 
-From the backend after every loop iteration (:meth:`ServerMetrics.on_step`):
+From the backend after every loop iteration (:meth:`ServerMetrics.on_step`; with several engine loops -- replicas
+behind one endpoint -- each reports as its own ``source`` and these are the sums over them):
 
 - gauges ``phaseserve:num_requests_running``, ``phaseserve:num_requests_waiting``, ``phaseserve:kv_pages_used``,
   ``phaseserve:kv_pages_free``, ``phaseserve:prefix_cache_hit_rate`` (hit pages / looked-up pages since start);
@@ -19,6 +20,8 @@ Each server has its own registry (several servers can live in one process, e.g. 
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -56,6 +59,8 @@ class ServerMetrics:
         self.counters = {k: Counter(f"phaseserve:{name}", name.replace("_", " "), **label).labels(model_name)
                          for k, name in COUNTERS.items()}
         self._seen = dict.fromkeys(COUNTERS, 0)
+        self._sources: dict[int, dict] = {}  # the latest stats of each engine loop
+        self._lock = threading.Lock()  # the loops report from their own threads
 
     def on_finish(self, handle) -> None:
         """A request finished (loop thread): its latencies, reason and token counts."""
@@ -73,17 +78,21 @@ class ServerMetrics:
             if value is not None and reason in ("length", "stop"):
                 hist.observe(value)
 
-    def on_step(self, stats: dict) -> None:
-        """Gauges and totals from the backend (loop thread)."""
-        for k, g in self.gauges.items():
-            if k in stats:
-                g.set(stats[k])
-        for k, c in self.counters.items():
-            if k in stats and stats[k] > self._seen[k]:
-                c.inc(stats[k] - self._seen[k])
-                self._seen[k] = stats[k]
-        if stats.get("prefix_lookup_pages"):
-            self.hit_rate.set(stats["prefix_hit_pages"] / stats["prefix_lookup_pages"])
+    def on_step(self, stats: dict, source: int = 0) -> None:
+        """Gauges and totals from one engine loop's backend (its thread); every loop's latest stats summed."""
+        with self._lock:
+            self._sources[source] = stats
+            keys = set().union(*self._sources.values())
+            total = {k: sum(s.get(k, 0) for s in self._sources.values()) for k in keys}
+            for k, g in self.gauges.items():
+                if k in total:
+                    g.set(total[k])
+            for k, c in self.counters.items():
+                if k in total and total[k] > self._seen[k]:
+                    c.inc(total[k] - self._seen[k])
+                    self._seen[k] = total[k]
+            if total.get("prefix_lookup_pages"):
+                self.hit_rate.set(total["prefix_hit_pages"] / total["prefix_lookup_pages"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -59,7 +59,7 @@ def server():
     port = int(base.rsplit(":", 1)[1])
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     yield {"base": base, "client": client, "engine": engine, "reference": reference, "port": port,
-           "loop": app.state.loop}
+           "loop": app.state.loops[0]}
     srv.should_exit = True
     thread.join(30)
 

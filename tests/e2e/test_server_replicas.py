@@ -1,0 +1,135 @@
+"""Data-parallel replicas behind one HTTP endpoint: ``create_app`` over the engines of a ``ReplicatedEngine`` (one
+engine-loop thread each), driven by the official ``openai`` client.
+
+The reference tokens come from the same replicas in-process (``ReplicatedEngine.generate``) before the server takes
+them over. Checked: concurrent streams complete with those tokens and both replicas serve some of them; ``/metrics``
+sums the replicas (pages back to zero, every request counted once); a disconnect mid-stream frees the pages on the
+replica that held them; the balancer's choice follows the tokens in flight (a hypothesis property).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+
+import numpy as np
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import phaseserve as ps
+from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.eval.demo import default_model_path
+from phaseserve.server import EngineBackend, create_app
+from phaseserve.server.app import Balancer
+from phaseserve.server.launch import start_in_thread
+
+from tests.e2e.test_server import _idle, _metric
+
+MODEL = "phaseserve-default"
+TOK = ByteTokenizer()
+N, TOKENS = 16, 10
+
+
+class CountingBackend(EngineBackend):
+    """An engine backend that counts the requests it was given."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.submitted = 0
+
+    def submit(self, req):
+        self.submitted += 1
+        return super().submit(req)
+
+
+@pytest.fixture(scope="module")
+def replicated():
+    cfg, params = ps.load_checkpoint(default_model_path(), "float32")
+    serve = ps.ServeConfig(mode="colocated", quant=ps.QuantConfig("float32", "float32", "float32", "float32"),
+                           cache=ps.CacheConfig(page_size=16, num_pages=400, max_pages_per_seq=16), max_batch=16)
+    rep = ps.ReplicatedEngine(cfg, params, serve, replicas=2)
+    rng = np.random.default_rng()  # fresh prompts every run
+    prompts = [f"def f{int(rng.integers(1 << 20))}(x):\n    return x" + " +" * int(rng.integers(1, 9)) for _ in range(N)]
+    reqs = [ps.Request(id=f"ref{i}", prompt=TOK.encode(p), max_tokens=TOKENS, ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    reference = {p: TOK.decode(o.tokens, skip_special=True) for p, o in zip(prompts, rep.generate(reqs), strict=True)}
+    for e in rep.engines:
+        e.reset_metrics()
+    backends = [CountingBackend(e) for e in rep.engines]
+    app = create_app(backends, TOK, MODEL)
+    srv, thread, base = start_in_thread(app)
+    yield {"base": base, "port": int(base.rsplit(":", 1)[1]), "rep": rep, "backends": backends,
+           "reference": reference, "loops": app.state.loops}
+    srv.should_exit = True
+    thread.join(30)
+    rep.close()
+
+
+async def _stream_all(base: str, prompts: list[str]) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(p: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+
+
+def test_concurrent_streams_over_two_replicas_equal_the_in_process_tokens(replicated):
+    port, ref = replicated["port"], replicated["reference"]
+    assert len(replicated["loops"]) == 2 and all(loop.alive for loop in replicated["loops"])
+    name = f'phaseserve:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    before = [b.submitted for b in replicated["backends"]]
+    texts = asyncio.run(_stream_all(replicated["base"], list(ref)))
+    assert texts == list(ref.values())
+    served = [b.submitted - n for b, n in zip(replicated["backends"], before, strict=True)]
+    assert sum(served) == N and min(served) >= N // 4, served  # the balancer used both replicas
+    assert _idle(port)  # the gauges sum both replicas: nothing running, no page held on either
+    assert _metric(port, name) >= N  # every request counted once, from whichever replica ran it
+    for e in replicated["rep"].engines:
+        e.check_invariants()
+        assert e.allocator.num_free == e.num_pages - 1
+
+
+def test_a_disconnect_frees_the_pages_of_the_replica_that_held_them(replicated):
+    port = replicated["port"]
+    assert _idle(port)
+    body = {"model": MODEL, "prompt": "def main():\n", "max_tokens": 150, "stream": True, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and any(r.readline().startswith(b"data: {") for _ in range(6))
+    held = [e.num_pages - 1 - e.allocator.num_free for e in replicated["rep"].engines]
+    assert sorted(held)[0] == 0 and sorted(held)[1] > 0, held  # one replica holds the request's pages
+    assert _metric(port, "phaseserve:kv_pages_used") == sum(held)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert _idle(port), "a disconnected stream kept its pages"
+    for e in replicated["rep"].engines:
+        e.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 50), st.integers(1, 50)), max_size=40), st.integers(1, 4))
+def test_the_balancer_sends_each_request_to_the_fewest_tokens_in_flight(ops, n):
+    bal = Balancer([object()] * n)
+    inflight: list[tuple[int, ps.Request]] = []
+    for k, (finish, plen, mt) in enumerate(ops):
+        if finish and inflight:  # the oldest request in flight ends
+            i, req = inflight.pop(0)
+            bal.release(i, req)
+        else:
+            req = ps.Request(id=f"r{k}", prompt=[1] * plen, max_tokens=mt)
+            expect = [sum(len(r.prompt) + r.max_tokens for j, r in inflight if j == i) for i in range(n)]
+            i = bal.acquire(req)
+            assert expect[i] == min(expect) and i == expect.index(min(expect))  # least loaded, ties to the lowest
+            inflight.append((i, req))
+        assert bal.load == [sum(len(r.prompt) + r.max_tokens for j, r in inflight if j == i) for i in range(n)]
