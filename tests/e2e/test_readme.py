@@ -4,6 +4,7 @@ script does what its docstring says."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,6 +75,16 @@ def test_engine_quickstart_example_aborts_only_the_corrupted_request():
     assert "error" in lines["bad"] and "EmptyPromptError" in lines["bad"]
     assert all("length" in lines[f"r{i}"] for i in (0, 1, 2, 4, 5))
     assert "all free again: True" in out.stdout
+
+
+def test_server_replicas_example_streams_the_in_process_tokens_from_both_replicas():
+    out = subprocess.run([sys.executable, "examples/server_replicas.py"], cwd=ROOT, env=one_device_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "streamed text equals the in-process tokens: True" in out.stdout, out.stdout
+    served = json.loads(re.search(r"^requests per replica: (\[.*\])$", out.stdout, re.M).group(1))
+    assert sum(served) == 8 and min(served) >= 2, served  # both replicas served (balanced by tokens in flight)
+    assert re.search(r"^phaseserve:generation_tokens_total\{[^}]*\} 128\.0$", out.stdout, re.M), out.stdout
 
 
 def test_replicas_example_matches_one_engine():

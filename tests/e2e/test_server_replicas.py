@@ -26,7 +26,6 @@ from phaseserve.eval.demo import default_model_path
 from phaseserve.server import EngineBackend, create_app
 from phaseserve.server.app import Balancer
 from phaseserve.server.launch import start_in_thread
-
 from tests.e2e.test_server import _idle, _metric
 
 MODEL = "phaseserve-default"
@@ -53,7 +52,8 @@ def replicated():
                            cache=ps.CacheConfig(page_size=16, num_pages=400, max_pages_per_seq=16), max_batch=16)
     rep = ps.ReplicatedEngine(cfg, params, serve, replicas=2)
     rng = np.random.default_rng()  # fresh prompts every run
-    prompts = [f"def f{int(rng.integers(1 << 20))}(x):\n    return x" + " +" * int(rng.integers(1, 9)) for _ in range(N)]
+    prompts = [f"def f{int(rng.integers(1 << 20))}(x):\n    return x" + " +" * int(rng.integers(1, 9))
+               for _ in range(N)]
     reqs = [ps.Request(id=f"ref{i}", prompt=TOK.encode(p), max_tokens=TOKENS, ignore_eos=True)
             for i, p in enumerate(prompts)]
     reference = {p: TOK.decode(o.tokens, skip_special=True) for p, o in zip(prompts, rep.generate(reqs), strict=True)}
@@ -133,3 +133,14 @@ def test_the_balancer_sends_each_request_to_the_fewest_tokens_in_flight(ops, n):
             assert expect[i] == min(expect) and i == expect.index(min(expect))  # least loaded, ties to the lowest
             inflight.append((i, req))
         assert bal.load == [sum(len(r.prompt) + r.max_tokens for j, r in inflight if j == i) for i in range(n)]
+
+
+def test_the_server_config_builds_one_backend_per_replica():
+    from phaseserve.server.launch import build_backend, compose
+
+    base = ["model=tiny_mla", "mesh=single", "engine.mode=colocated", "quant=f32"]
+    backends = build_backend(compose([*base, "mesh.replicas=2"]))
+    assert isinstance(backends, list) and len(backends) == 2
+    assert [{d.id for d in b.engine.decode_mesh.devices.flat} for b in backends] == [{0}, {1}]
+    one = build_backend(compose(base))
+    assert isinstance(one, EngineBackend) and one.engine.serve.mesh.replicas == 1
