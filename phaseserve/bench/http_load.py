@@ -18,6 +18,12 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
 - ``http-coalesced`` (when ``experiment.coalesced_interval`` > 1): the same, with the server sending one event per
   ``coalesced_interval`` tokens (:class:`~phaseserve.server.EngineLoop`'s ``stream_interval``; the first token and
   the end at once): fewer events for the server to write and the client to parse;
+- ``in-process-loaded`` (when ``experiment.loaded_control``; needs ``client_cpus``): the in-process arm while the
+  client process keeps its CPUs busy the fraction of the time the client of the last ``http`` run did (its CPU
+  seconds over its wall time), doing the client's per-event work (:func:`busy`: parsing a completion chunk into the
+  ``openai`` model). Where the client's CPUs are not independent of the server's (two vCPUs of one VM can share a
+  physical core or its caches), the client's work slows the engine; this arm measures that alone, and
+  ``ratio_http_over_loaded`` is the ``http`` arm's throughput over it, paired per repeat;
 - ``http-frontend`` (when ``experiment.frontend_cpus`` is set, e.g. ``[1]``): as ``http``, with uvicorn's thread
   moved to those CPUs for the run and back after (the engine loop and XLA's workers stay where they are): the HTTP
   frontend on a host core of its own, as on an accelerator server, where the HTTP layer's CPU time does not come
@@ -44,6 +50,7 @@ nothing: client and server share every core.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import resource
@@ -63,7 +70,8 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
-ARMS = ["in-process", "http", "http-coalesced", "http-frontend"]
+ARMS = ["in-process", "in-process-loaded", "http", "http-coalesced", "http-frontend"]
+LOADED = "in-process-loaded"  # the in-process arm with the client's CPUs kept as busy as in the last http run
 THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine loop, uvicorn, the rest (XLA pools)
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long the first batch took to come in
@@ -83,6 +91,7 @@ class HttpLoadSpec:
     timeout_s: float = 300.0  # one client run
     client_cpus: list[int] | None = None  # pin the client here and the server to the other CPUs (None: no pinning)
     frontend_cpus: list[int] | None = None  # the http-frontend arm: uvicorn's thread here (None: no such arm)
+    loaded_control: bool = False  # the in-process-loaded arm (needs client_cpus)
 
 
 # ---- the client process -----------------------------------------------------------------------------------
@@ -173,10 +182,31 @@ def frontend_cpus(spec_cpus: list[int] | None) -> set[int] | None:
     return front
 
 
+def busy(conn: Any, duty: float, slice_s: float = 0.002) -> dict:
+    """Keep this process's CPU busy a ``duty`` fraction of the time, doing what the client does per event (parse a
+    streamed completion chunk into the ``openai`` model, unvalidated as the client does), until a message arrives on
+    ``conn``; returns the CPU and wall seconds it ran. Busy ``slice_s``, then asleep ``slice_s * (1 - duty) / duty``."""
+    from openai.types import Completion
+
+    chunk = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m", "usage": None,
+                        "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]})
+    duty = min(max(duty, 0.01), 1.0)
+    cpu0, t0 = _cpu_s(), time.perf_counter()
+    while not conn.poll():
+        end = time.perf_counter() + slice_s
+        while time.perf_counter() < end:
+            Completion.construct(**json.loads(chunk))  # as the client builds its chunks: no validation
+        if duty < 1.0:
+            time.sleep(slice_s * (1 - duty) / duty)
+    conn.recv()
+    return {"client_cpu_s": _cpu_s() - cpu0, "wall_s": time.perf_counter() - t0}
+
+
 def client_main(conn: Any, base_url: str, model: str, timeout_s: float, cpus: set[int] | None = None) -> None:
-    """The client process: run each ``(requests, concurrency)`` job received on ``conn``; ``None`` ends it. One
-    ``AsyncOpenAI`` client (one connection pool, on one event loop) serves every job, as a load generator keeps
-    its session: connections opened by one run (the untimed warm-up) are reused by the next."""
+    """The client process: run each ``(requests, concurrency)`` job received on ``conn``, or a ``("busy", duty)``
+    job (:func:`busy`, until the next message); ``None`` ends it. One ``AsyncOpenAI`` client (one connection pool,
+    on one event loop) serves every job, as a load generator keeps its session: connections opened by one run (the
+    untimed warm-up) are reused by the next."""
     import openai
 
     if cpus:
@@ -186,6 +216,9 @@ def client_main(conn: Any, base_url: str, model: str, timeout_s: float, cpus: se
     try:
         while (job := conn.recv()) is not None:
             try:
+                if job[0] == "busy":
+                    conn.send(busy(conn, job[1]))
+                    continue
                 conn.send(aio.run_until_complete(_client_run(client, model, job[0], job[1])))
             except Exception as e:  # report, don't hang the parent
                 conn.send(RuntimeError(f"client run failed: {e!r}"))
@@ -206,6 +239,17 @@ class Client:
     def run(self, reqs: list[Request], concurrency: int) -> dict:
         self.conn.send(([{"prompt": list(r.prompt), "max_tokens": r.max_tokens, "temperature": r.temperature,
                           "seed": r.seed, "ignore_eos": r.ignore_eos} for r in reqs], concurrency))
+        out = self.conn.recv()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def start_busy(self, duty: float) -> None:
+        """The client process keeps its CPUs busy ``duty`` of the time (:func:`busy`) until :meth:`stop_busy`."""
+        self.conn.send(("busy", duty))
+
+    def stop_busy(self) -> dict:
+        self.conn.send("stop")
         out = self.conn.recv()
         if isinstance(out, Exception):
             raise out
@@ -271,7 +315,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     from phaseserve.server.launch import http_stack, start_in_thread
 
     spec, out_dir = experiment_spec(cfg, HttpLoadSpec), Path(out_dir)
+    if spec.loaded_control and not spec.client_cpus:
+        raise ValueError("experiment.loaded_control needs experiment.client_cpus (the CPUs to keep busy)")
     cpus, front = split_cpus(spec.client_cpus), frontend_cpus(spec.frontend_cpus)
+    usable = os.sched_getaffinity(0)  # given back to every thread at the end
     if cpus is not None:  # before JAX starts: XLA sizes its thread pools to the CPUs it may use
         pin_process(cpus[1])  # every server thread (engine loop, XLA workers, uvicorn) inherits it
     env = environment()
@@ -287,7 +334,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     tids = {"engine_loop": loop.native_id, "http": thread.native_id}
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
     arms = [a for a in ARMS if (a != "http-coalesced" or spec.coalesced_interval > 1)
-            and (a != "http-frontend" or front is not None)]
+            and (a != "http-frontend" or front is not None) and (a != LOADED or spec.loaded_control)]
     intervals = {"http": 1, "http-coalesced": spec.coalesced_interval, "http-frontend": 1}
     pins = {"http-frontend": (thread.native_id, front, os.sched_getaffinity(thread.native_id))} if front else {}
     records = []
@@ -295,19 +342,26 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         for c in concs:
             n = num_requests(cfg.workload, c)
             warm = make_requests(cfg.workload, vocab, n, seed=c, tag=f"warm{c}")
-            _http_run(loop, client, engine, warm, c)  # untimed: the client, server and request paths warm
+            warm_rec = _http_run(loop, client, engine, warm, c)  # untimed: the client, server, request paths warm
+            duty = warm_rec["client_cpu_s"] / warm_rec["wall_s"]  # the loaded arm's, until an http run measures it
             for rep in range(spec.repeats):
                 reqs = make_requests(cfg.workload, vocab, n, seed=1000 * (rep + 1) + c, tag=f"c{c}r{rep}")
                 for order, arm in enumerate(rotated(arms, rep + c)):
-                    def timed(arm=arm, reqs=reqs, c=c) -> dict:
+                    def timed(arm=arm, reqs=reqs, c=c, duty=duty) -> dict:
                         cpu0, threads0 = time.process_time(), thread_cpu_s(tids)
                         if arm in intervals:
                             rec = _http_run(loop, client, engine, reqs, c, intervals[arm], pins.get(arm))
                         else:
-                            rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")
-                                                     | {FILL: fill_s(list(engine.outputs.values()), c)}).result()
+                            if arm == LOADED:
+                                client.start_busy(duty)
+                            try:
+                                rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")
+                                                         | {FILL: fill_s(list(engine.outputs.values()), c)}).result()
+                            finally:
+                                load = client.stop_busy() if arm == LOADED else {}
                             rec |= {"ramp_s": 0.0, "engine_wall_s": rec["wall_s"], "tail_s": 0.0,
-                                    "engine_tok_per_s": rec["output_tok_per_s"]}
+                                    "engine_tok_per_s": rec["output_tok_per_s"], "busy_duty": duty if load else 0.0,
+                                    "client_cpu_s": load.get("client_cpu_s", 0.0)}
                         threads = thread_cpu_s(tids)
                         return rec | {"server_cpu_s": time.process_time() - cpu0,
                                       **{f"cpu_{g}_s": threads[g] - threads0[g] for g in THREADS}}
@@ -316,29 +370,36 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
-                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, FILL)}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, FILL, "busy_duty")}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
+                    if arm == "http":  # the loaded arm keeps the client's CPUs as busy as this run's client was
+                        duty = rec["client_cpu_s"] / rec["wall_s"]
                     log(f"concurrency {c} repeat {rep + 1}/{spec.repeats} {arm}: {rec['output_tok_per_s']:.1f} tok/s, "
                         f"TTFT p50 {rec['ttft']['p50'] * 1e3:.0f} ms, TPOT p50 {rec['tpot']['p50'] * 1e3:.1f} ms")
     finally:
         client.close()
         server.should_exit = True
         thread.join(30)
+        if cpus is not None:
+            pin_process(usable)
     ratios = {arm: {m: paired(records, arm, "in-process", m) for m in ("output_tok_per_s", "engine_tok_per_s",
                                                                        "ttft.p50", "tpot.p50", "e2e.p50")}
               for arm in arms[1:]}
+    over_loaded = {m: paired(records, "http", LOADED, m) for m in ("output_tok_per_s", "engine_tok_per_s")} \
+        if LOADED in arms else None
     results = {"experiment": "http_load", "environment": env,
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
                             "workload": to_container(cfg.workload), "repeats": spec.repeats,
                             "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
+                            "loaded_control": spec.loaded_control,
                             "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])},
                             "frontend_cpus": None if front is None else sorted(front)},
-               "records": records, "ratio_http_over_in_process": ratios,
+               "records": records, "ratio_http_over_in_process": ratios, "ratio_http_over_loaded": over_loaded,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
-                                                        "client_cpu_s", "wall_s", *SPLIT, FILL]
+                                                        "client_cpu_s", "wall_s", *SPLIT, FILL, "busy_duty"]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -356,6 +417,14 @@ def headline(results: dict) -> list[str]:
         if not r or r.get("median") is None:
             lines.append(f"{arm}: no run at concurrency {c}: no headline")
             continue
+        if arm == LOADED:
+            d = results["aggregate"][arm]
+            d = d.get(c) or d.get(str(c))
+            lines.append(f"{arm} (the client's CPUs kept busy {d['busy_duty']['median']:.0%} of the time, as in the "
+                         f"last http run, while the engine runs in-process): {r['median']:.3f}x in-process "
+                         f"[{r['min']:.3f}, {r['max']:.3f}] at concurrency {c}: what the client's CPU use alone costs "
+                         "the engine here")
+            continue
         verdict = "met" if r["median"] >= 0.9 else "NOT met"
         lines.append(f"{arm} throughput at concurrency {c}: {r['median']:.3f}x in-process (median of {r['n']} paired "
                      f"repeats, range {r['min']:.3f}..{r['max']:.3f}); overhead {(1 - r['median']) * 100:.1f}% -- goal "
@@ -370,7 +439,25 @@ def headline(results: dict) -> list[str]:
                          f"engine's first arrival) {a['ramp_s']['median'] * 1e3:.0f} ms and tail (last finish to last "
                          f"stream end) {a['tail_s']['median'] * 1e3:.0f} ms per run (medians), of a "
                          f"{a['wall_s']['median']:.2f} s run")
+    loaded = (results.get("ratio_http_over_loaded") or {}).get("output_tok_per_s", {})
+    r = loaded.get(c) or loaded.get(str(c))
+    if r and r.get("median") is not None:
+        verdict = "met" if r["median"] >= 0.9 else "NOT met"
+        lines.append(f"http over {LOADED} at concurrency {c}: {r['median']:.3f}x (median of {r['n']} paired repeats, "
+                     f"range {r['min']:.3f}..{r['max']:.3f}): against a control whose client CPUs are as busy, the "
+                     f"overhead is {(1 - r['median']) * 100:.1f}% -- goal <= 10% against that control: {verdict}")
     return lines
+
+
+def _loaded_section(results: dict, points: list) -> list[str]:
+    over = results.get("ratio_http_over_loaded")
+    if not over:
+        return []
+    rows = [[c, *(rp.spread(over[m].get(c) or over[m].get(str(c))) for m in over)] for c in points]
+    return [f"## http / {LOADED} (paired per repeat): the HTTP overhead against an in-process run whose client CPUs "
+            "are kept as busy as the http arm's client kept them (parsing completion chunks into the openai model, the "
+            "duty cycle of the last http run: `busy_duty` in results.json)",
+            rp.markdown_table(["concurrency", *(f"{m} ratio" for m in over)], rows)]
 
 
 def _cpus_line(cpus: dict | None) -> str:
@@ -435,6 +522,7 @@ def markdown(results: dict) -> str:
                            "TPOT p99", "e2e p50", "e2e p95", "e2e p99"], rows),
         "## HTTP / in-process (paired per repeat; tok/s below 1 and times above 1 are the HTTP overhead)",
         rp.markdown_table(["concurrency", "arm", *(f"{m} ratio" for m in next(iter(ratios.values())))], ratio_rows),
+        *_loaded_section(results, points),
         "## Where the time goes (per run, medians [min, max]; CPU seconds of the server process -- engine, XLA "
         "threads, HTTP -- split by thread (the engine loop, which runs the in-process arm too; uvicorn's; every other "
         "thread, XLA's worker pools among them), and of the client process; the client's ramp (its first send to the "

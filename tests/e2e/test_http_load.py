@@ -23,18 +23,30 @@ OVERRIDES = ["model=tiny_mla", "+model.overrides.num_hidden_layers=1", "+model.o
 
 
 def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
-    front = max(os.sched_getaffinity(0))  # the http-frontend arm moves uvicorn's thread here for its runs
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="experiment/http_load", overrides=[*OVERRIDES, f"experiment.frontend_cpus=[{front}]"])
     usable = os.sched_getaffinity(0)
+    front = max(usable)  # the http-frontend arm moves uvicorn's thread here for its runs
+    split = len(usable) > 1  # the client on its own CPU and the loaded control need two
+    extra = [f"experiment.frontend_cpus=[{front}]"]
+    if split:
+        extra += [f"experiment.client_cpus=[{front}]", "experiment.loaded_control=true"]
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="experiment/http_load", overrides=[*OVERRIDES, *extra])
     lines: list[str] = []
     res = http_load.run(cfg, tmp_path, log=lines.append)
-    assert os.sched_getaffinity(0) == usable  # the frontend pin was undone
+    assert os.sched_getaffinity(0) == usable  # the pins were undone
     records = json.loads((tmp_path / "results.json").read_text())["records"]
-    assert sorted(r["arm"] for r in records) == ["http", "http-coalesced", "http-frontend", "in-process"]
+    assert sorted(r["arm"] for r in records) == ["http", "http-coalesced", "http-frontend", "in-process",
+                                                 *(["in-process-loaded"] if split else [])]
+    http_duty = next(r["client_cpu_s"] / r["wall_s"] for r in records if r["arm"] == "http")
+    for r in records:
+        if r["arm"] == "in-process-loaded":  # the client burned CPU at the duty of the last http run (the warm-up's
+            assert 0 < r["busy_duty"] <= 1 and r["client_cpu_s"] > 0.2 * r["busy_duty"] * r["wall_s"], r
+        elif r["arm"] == "in-process":  # or the timed one's, whichever ran last); the quiet arm burned nothing
+            assert r["busy_duty"] == 0 and r["client_cpu_s"] == 0
+    assert http_duty > 0
     fills = {r["arm"]: r["fill_s"] for r in records}  # in-process the first batch is added in one loop; over HTTP
     assert 0 <= fills["in-process"] < 1e-3, fills  # each request comes in its own handler
-    assert all(0 < fills[a] < r["wall_s"] for a in fills if a != "in-process" for r in records if r["arm"] == a), fills
+    assert all(0 < fills[a] < r["wall_s"] for a in fills if a.startswith("http") for r in records if r["arm"] == a)
     assert len({r["requests"] for r in records}) == 1 and records[0]["requests"] >= 2  # the same requests per arm
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
@@ -43,12 +55,12 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         parts = [r[f"cpu_{g}_s"] for g in http_load.THREADS]
         assert all(p >= 0 for p in parts) and r["cpu_engine_loop_s"] > 0, r
         assert abs(sum(parts) - r["server_cpu_s"]) < 0.05 + 0.1 * r["server_cpu_s"], (parts, r["server_cpu_s"])
-        if r["arm"] == "in-process":  # uvicorn idles meanwhile
+        if r["arm"].startswith("in-process"):  # uvicorn idles meanwhile
             assert r["cpu_http_s"] < 0.1 * r["cpu_engine_loop_s"], r
         else:
             assert r["cpu_http_s"] > 0, r
     for r in records:
-        if r["arm"] == "in-process":
+        if r["arm"].startswith("in-process"):
             assert r["ramp_s"] == r["tail_s"] == 0 and r["engine_tok_per_s"] == r["output_tok_per_s"]
             continue
         assert r["client_cpu_s"] > 0
@@ -68,6 +80,30 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["frontend_cpus"] == [front]
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
     assert any(line.startswith("  of which the server side") for line in lines)
+    if split:
+        assert any(line.startswith("http over in-process-loaded at concurrency 2:") for line in lines), lines
+        assert "## http / in-process-loaded" in md
+
+
+def test_busy_keeps_the_cpu_busy_at_the_duty_until_told_to_stop():
+    import multiprocessing as mp
+
+    from openai.types import Completion  # noqa: F401  (imported here, so busy() starts when the timer does)
+
+    for duty in (0.25, 1.0):
+        parent, child = mp.Pipe()
+        threading.Timer(0.5, parent.send, args=("stop",)).start()
+        out = http_load.busy(child, duty)
+        assert 0.45 < out["wall_s"] < 2.0, out
+        # about duty x wall of CPU (this machine is shared: a loose lower bound, a firm upper one)
+        assert 0.3 * duty * out["wall_s"] < out["client_cpu_s"] < 1.5 * duty * out["wall_s"] + 0.05, (duty, out)
+
+
+def test_loaded_control_needs_client_cpus(tmp_path):
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="experiment/http_load", overrides=[*OVERRIDES, "experiment.loaded_control=true"])
+    with pytest.raises(ValueError, match="loaded_control needs experiment.client_cpus"):
+        http_load.run(cfg, tmp_path)
 
 
 def test_frontend_cpus_must_be_usable():
