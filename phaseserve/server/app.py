@@ -108,6 +108,7 @@ class Generation:
             self.close()
             raise
         if err is not None:
+            self.output = self._first.done  # it ended in the engine already: nothing to cancel
             self.close()
             raise err
 
