@@ -56,8 +56,9 @@ def replica_devices(devices: list, mesh: MeshConfig, mode: str) -> list[list]:
     return [devices[i * per:(i + 1) * per] for i in range(mesh.replicas)]
 
 
-def _load(req: Request) -> int:
-    """Tokens a request may hold (prompt + output); 0 for a malformed one (its replica reports the error)."""
+def request_load(req: Request) -> int:
+    """Tokens a request may hold (prompt + output): what routing by load counts (here and in the HTTP server's
+    balancer); 0 for a malformed one (its replica reports the error)."""
     try:
         return len(req.prompt) + max(int(req.max_tokens), 0)
     except (TypeError, ValueError):
@@ -75,7 +76,7 @@ def route(requests: list[Request], n: int) -> list[int]:
             i = min(range(n), key=lambda j: (load[j], j))
             if key is not None:
                 where[key] = i
-        load[i] += _load(r)
+        load[i] += request_load(r)
         out.append(i)
     return out
 

@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from phaseserve.engine import Request, RequestError, RequestOutput
+from phaseserve.engine.replicas import request_load
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
@@ -77,11 +78,11 @@ class Balancer:
 
     def acquire(self, req: Request) -> int:
         i = min(range(len(self.loops)), key=lambda j: (self.load[j], j))
-        self.load[i] += len(req.prompt) + req.max_tokens
+        self.load[i] += request_load(req)
         return i
 
     def release(self, i: int, req: Request) -> None:
-        self.load[i] -= len(req.prompt) + req.max_tokens
+        self.load[i] -= request_load(req)
 
 
 class Generation:
