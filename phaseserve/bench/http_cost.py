@@ -56,7 +56,7 @@ class StubBackend:
     def has_work(self) -> bool:
         return bool(self.running)
 
-    def advance(self) -> None:
+    def advance(self, deliver=None) -> None:
         time.sleep(self.step_s)
         self.steps += 1
         for rid, (req, out) in list(self.running.items()):

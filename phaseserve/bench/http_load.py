@@ -75,7 +75,8 @@ LOADED = "in-process-loaded"  # the in-process arm with the client's CPUs kept a
 THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine loop, uvicorn, the rest (XLA pools)
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long the first batch took to come in
-MS_COLS = {"ramp_s": "ramp ms", "tail_s": "tail ms", FILL: "fill ms"}
+BUILD = "build_s"  # the client's first send to its concurrency-th request built: the client's share of the ramp
+MS_COLS = {"ramp_s": "ramp ms", BUILD: "client build ms", "tail_s": "tail ms", FILL: "fill ms"}
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
@@ -116,15 +117,19 @@ async def _one(client: Any, model: str, req: dict, sem: asyncio.Semaphore) -> di
             "tpot": (last - first) / (tokens - 1) if first is not None and tokens > 1 else None, "e2e": end - sent}
 
 
-async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: int) -> dict:
+async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: int, built: list[float]) -> dict:
+    """One closed-loop run; ``built`` collects the times the HTTP client finished building each request (its
+    request hook: the request is built and about to be sent)."""
     sem = asyncio.Semaphore(concurrency)  # closed loop: a new request starts when one of `concurrency` ends
     cpu0 = _cpu_s()
+    built.clear()
     recs = await asyncio.gather(*(_one(client, model, r, sem) for r in reqs))
     first_sent, last_end = min(r["sent"] for r in recs), max(r["end"] for r in recs)
     wall = last_end - first_sent
     out_tokens = sum(r["tokens"] for r in recs)
     return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
             "first_sent": first_sent, "last_end": last_end,
+            BUILD: sorted(built)[min(concurrency, len(built)) - 1] - first_sent,
             "client_cpu_s": _cpu_s() - cpu0, **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
 
 
@@ -206,20 +211,27 @@ def client_main(conn: Any, base_url: str, model: str, timeout_s: float, cpus: se
     """The client process: run each ``(requests, concurrency)`` job received on ``conn``, or a ``("busy", duty)``
     job (:func:`busy`, until the next message); ``None`` ends it. One ``AsyncOpenAI`` client (one connection pool,
     on one event loop) serves every job, as a load generator keeps its session: connections opened by one run (the
-    untimed warm-up) are reused by the next."""
+    untimed warm-up) are reused by the next. Its HTTP client is ``openai``'s default one with a request hook that
+    records when each request is built (:data:`BUILD`)."""
     import openai
 
     if cpus:
         pin_process(cpus)
     aio = asyncio.new_event_loop()
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    built: list[float] = []
+
+    async def on_request(_) -> None:
+        built.append(time.perf_counter())
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s,
+                                http_client=openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request]}))
     try:
         while (job := conn.recv()) is not None:
             try:
                 if job[0] == "busy":
                     conn.send(busy(conn, job[1]))
                     continue
-                conn.send(aio.run_until_complete(_client_run(client, model, job[0], job[1])))
+                conn.send(aio.run_until_complete(_client_run(client, model, job[0], job[1], built)))
             except Exception as e:  # report, don't hang the parent
                 conn.send(RuntimeError(f"client run failed: {e!r}"))
     finally:
@@ -370,7 +382,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
-                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, FILL, "busy_duty")}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, "busy_duty")}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
@@ -399,7 +411,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             "frontend_cpus": None if front is None else sorted(front)},
                "records": records, "ratio_http_over_in_process": ratios, "ratio_http_over_loaded": over_loaded,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
-                                                        "client_cpu_s", "wall_s", *SPLIT, FILL, "busy_duty"]
+                                                        "client_cpu_s", "wall_s", *SPLIT, BUILD, FILL, "busy_duty"]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -436,7 +448,8 @@ def headline(results: dict) -> list[str]:
         if e and e.get("median") is not None and a:
             lines.append(f"  of which the server side (tokens over the engine's first arrival to last finish): "
                          f"{e['median']:.3f}x [{e['min']:.3f}, {e['max']:.3f}]; the client's ramp (first send to the "
-                         f"engine's first arrival) {a['ramp_s']['median'] * 1e3:.0f} ms and tail (last finish to last "
+                         f"engine's first arrival) {a['ramp_s']['median'] * 1e3:.0f} ms{_build_words(a, c)} and tail "
+                         "(last finish to last "
                          f"stream end) {a['tail_s']['median'] * 1e3:.0f} ms per run (medians), of a "
                          f"{a['wall_s']['median']:.2f} s run")
     loaded = (results.get("ratio_http_over_loaded") or {}).get("output_tok_per_s", {})
@@ -447,6 +460,12 @@ def headline(results: dict) -> list[str]:
                      f"range {r['min']:.3f}..{r['max']:.3f}): against a control whose client CPUs are as busy, the "
                      f"overhead is {(1 - r['median']) * 100:.1f}% -- goal <= 10% against that control: {verdict}")
     return lines
+
+
+def _build_words(agg: dict, c: int) -> str:
+    if BUILD not in agg:  # older results
+        return ""
+    return f" (its first send to its {c}-th request built: {agg[BUILD]['median'] * 1e3:.0f} ms)"
 
 
 def _loaded_section(results: dict, points: list) -> list[str]:
@@ -492,7 +511,8 @@ def markdown(results: dict) -> str:
     split = f"cpu_{THREADS[0]}_s" in next(iter(agg[arms[0]].values()))  # older runs: one server CPU column
     threads_cols = ["engine-loop thread CPU s", "uvicorn thread CPU s", "other threads CPU s"] if split else []
     cpu_cols = ["wall_s", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS if split), "client_cpu_s"]
-    ms_cols = ["ramp_s", "tail_s", *([FILL] if FILL in next(iter(agg[arms[0]].values())) else [])]
+    first = next(iter(agg[arms[0]].values()))
+    ms_cols = ["ramp_s", *([BUILD] if BUILD in first else []), "tail_s", *([FILL] if FILL in first else [])]
     for c in points:
         for arm in arms:
             a = agg[arm][c]
@@ -526,7 +546,8 @@ def markdown(results: dict) -> str:
         "## Where the time goes (per run, medians [min, max]; CPU seconds of the server process -- engine, XLA "
         "threads, HTTP -- split by thread (the engine loop, which runs the in-process arm too; uvicorn's; every other "
         "thread, XLA's worker pools among them), and of the client process; the client's ramp (its first send to the "
-        "engine's first arrival) and tail (the engine's last finish to the client's last stream end), on the clock "
+        "engine's first arrival), the client's build (its first send to its concurrency-th request built, by its HTTP "
+        "client's request hook) and tail (the engine's last finish to the client's last stream end), on the clock "
         "both processes share; the fill: the engine's first arrival to its concurrency-th, i.e. how long the first "
         "batch took to come in; the engine's counters; seconds inside prefill / decode calls)",
         rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s",

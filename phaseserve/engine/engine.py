@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -218,8 +218,12 @@ class Engine:
             self._finish(seq, reason)
 
     # ---- one engine step -----------------------------------------------------------------------------------
-    def step(self) -> list[tuple[str, int]]:
-        """Run one scheduling round; returns the ``(request_id, token)`` pairs produced."""
+    def step(self, after_prefill: Callable[[], None] | None = None) -> list[tuple[str, int]]:
+        """Run one scheduling round; returns the ``(request_id, token)`` pairs produced.
+
+        ``after_prefill`` (optional) is called once the round's prefill has emitted its first tokens and before its
+        decode step runs (only in a round that prefilled and has rows to decode): a server hands each new request's
+        first token to its client then, not a decode step later."""
         events: list[tuple[str, int]] = []
         try:
             res = self.scheduler.schedule()
@@ -243,6 +247,8 @@ class Engine:
             self._load_prefixes([c.seq for c in chunks if c.first and c.seq.shared_pages])
             self._run_prefill(chunks, events)
         rows = [s for s in self.scheduler.running if not s.prefilling]
+        if rows and chunks and after_prefill is not None:
+            after_prefill()
         if rows:
             self._run_decode(rows, events)
         self.metrics.observe(len(self.scheduler.running), self.allocator.num_used)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,9 +45,9 @@ from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
+from phaseserve.server.sse import DONE, Template, event
 
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the client's connection is checked
-DONE = "data: [DONE]\n\n"
 
 
 class ApiError(Exception):
@@ -220,17 +219,16 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         finally:
             gen.close()
 
-    def sse(batches: AsyncIterator[list[dict]], gen: Generation) -> StreamingResponse:
-        """Server-sent events: one write per batch of chunks (an update's chunks, and ``[DONE]`` with the last)."""
+    def sse(batches: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+        """Server-sent events: one write per batch of events (an update's, and ``[DONE]`` with the last)."""
         async def body():
             done = False
             try:
-                async for batch in batches:
-                    text = "".join(f"data: {json.dumps(c)}\n\n" for c in batch)
+                async for text in batches:
                     done = gen.output is not None
                     yield text + DONE if done else text
             except ApiError as e:
-                yield f"data: {json.dumps(e.body)}\n\n"
+                yield event(e.body)
             finally:
                 gen.close()  # a disconnect (or any early end) frees the request's pages now
             if not done:
@@ -273,12 +271,18 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
 
         async def chunks():
             extra = {"usage": None} if body.include_usage else {}
+
+            def chunk(text: str, reason: str | None = None) -> dict:
+                return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                        **extra}
+
+            delta = Template(chunk(Template.SLOT))
             async for d, final in gen.deltas():  # the last text delta carries the finish_reason
-                batch = [{**head, "choices": [{"index": 0, "text": d, "logprobs": None,
-                                               "finish_reason": gen.finish_reason if final else None}], **extra}]
-                if final and body.include_usage:
-                    batch.append({**head, "choices": [], "usage": gen.usage()})
-                yield batch
+                if not final:
+                    yield delta(d)
+                    continue
+                last = event(chunk(d, gen.finish_reason))
+                yield last + event({**head, "choices": [], "usage": gen.usage()}) if body.include_usage else last
 
         return sse(chunks(), gen)
 
@@ -312,8 +316,12 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
                 return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
                         **extra}
 
+            content = Template(chunk({"content": Template.SLOT}))
             batch = [chunk({"role": "assistant", "content": ""})]
             async for d, final in gen.deltas():
+                if not final and not batch:
+                    yield content(d)
+                    continue
                 batch.append(chunk({"content": d}))
                 if final:
                     content, calls = text.reply()
@@ -324,7 +332,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
                     batch.append(chunk({}, "tool_calls" if calls else gen.finish_reason))
                     if body.include_usage:
                         batch.append({**head, "choices": [], "usage": gen.usage()})
-                yield batch
+                yield "".join(map(event, batch))
                 batch = []
 
         return sse(chunks(), gen)

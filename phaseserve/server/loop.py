@@ -8,7 +8,9 @@
     loop.cancel(id)             --inbox-->      backend.cancel(id)          (pages released at once)
     await handle.get()  <--call_soon_threadsafe--  after each backend.advance(): new tokens, the finish
                                                 (one call per iteration for all requests; a handler that is
-                                                behind gets every token since its last get in one Update)
+                                                behind gets every token since its last get in one Update);
+                                                and inside an engine step, between its prefill and its decode:
+                                                new requests' first tokens, a decode step sooner
 
 Every request in flight, from every HTTP client, is in the same engine, so continuous batching works across
 clients. The loop reads each request's progress off its :class:`~phaseserve.RequestOutput` (tokens appended,
@@ -31,6 +33,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +67,9 @@ class EngineBackend:
     def has_work(self) -> bool:
         return self.engine.has_work
 
-    def advance(self) -> None:
-        self.engine.step()
+    def advance(self, deliver: Callable[[], None] | None = None) -> None:
+        """One engine step; ``deliver`` is called between its prefill and its decode (new requests' first tokens)."""
+        self.engine.step(after_prefill=deliver)
 
     def idle(self) -> None:
         """Nothing in flight: close the measurement window and start a fresh one (totals carry over)."""
@@ -116,8 +120,8 @@ class RouterBackend:
     def has_work(self) -> bool:
         return self.router.has_work
 
-    def advance(self) -> None:
-        self.router.poll(self.poll_s)
+    def advance(self, deliver: Callable[[], None] | None = None) -> None:
+        self.router.poll(self.poll_s)  # tokens arrive as the servers send them: delivered after the poll
 
     def idle(self) -> None:
         r = self.router  # forget finished requests (the router keeps them to refuse a reused id while in flight)
@@ -233,7 +237,7 @@ class EngineLoop:
                 busy = self.backend.has_work or bool(self._active)
                 self._drain(block=not busy)
                 if self.backend.has_work:
-                    self.backend.advance()
+                    self.backend.advance(self._deliver)  # first tokens handed over after the prefill, then the rest
                 self._deliver()
                 if not self.backend.has_work and not self._active:
                     self.backend.idle()

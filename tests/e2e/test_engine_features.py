@@ -119,6 +119,35 @@ def test_streaming_and_cancellation(mla):
     assert not eng.cancel("r1") and eng.allocator.num_free == eng.num_pages - 1
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
+    """``step(after_prefill=...)`` runs once the round's prefill emitted the new requests' first tokens and before
+    its decode step: the new request holds one token, the running ones not yet this round's; the tokens are those
+    of a run without the hook."""
+    cfg, params = mla
+    reqs = random_requests(cfg.vocab_size, 3, seed=11, max_tokens=(6, 7))
+    ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(mode)).generate(reqs)}
+    eng = ps.Engine(cfg, params, serve_config(mode))
+    eng.add_request(reqs[0])
+    eng.step()
+    eng.step()  # r0 decoding
+    eng.add_request(reqs[1])
+    eng.add_request(reqs[2])
+    seen = []
+
+    def hook():
+        seen.append({r.id: len(eng.outputs[r.id].tokens) for r in reqs})
+
+    before = len(eng.outputs["r0"].tokens)
+    eng.step(after_prefill=hook)
+    assert seen == [{"r0": before, "r1": 1, "r2": 1}]
+    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": before + 1, "r1": 2, "r2": 2}
+    eng.step(after_prefill=hook)  # a decode-only round: no call
+    assert len(seen) == 1
+    while eng.has_work:
+        eng.step(after_prefill=hook)
+    assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref
+
 def test_sampling_is_seeded_and_independent_of_the_batch(mla):
     cfg, params = mla
     r = Request(id="s", prompt=[3, 1, 4, 1, 5], max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=7,

@@ -61,13 +61,15 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
             assert r["cpu_http_s"] > 0, r
     for r in records:
         if r["arm"].startswith("in-process"):
-            assert r["ramp_s"] == r["tail_s"] == 0 and r["engine_tok_per_s"] == r["output_tok_per_s"]
+            assert r["ramp_s"] == r["tail_s"] == r["build_s"] == 0 and r["engine_tok_per_s"] == r["output_tok_per_s"]
             continue
         assert r["client_cpu_s"] > 0
         # one clock across the two processes: the client sends before the engine sees the first request, and the
         # engine finishes before the client reads the last stream end; the three parts make up the client's wall
         assert 0 < r["ramp_s"] < r["wall_s"] and 0 < r["tail_s"] < r["wall_s"], r
         assert abs(r["ramp_s"] + r["engine_wall_s"] + r["tail_s"] - r["wall_s"]) < 1e-6
+        # the client's HTTP client built its first requests after its first send began, before the run ended
+        assert 0 < r["build_s"] < r["wall_s"], r
         assert r["engine_tok_per_s"] > r["output_tok_per_s"]
     ratio = res["ratio_http_over_in_process"]["http"]["output_tok_per_s"]
     r = ratio.get(2) or ratio.get("2")
@@ -76,7 +78,7 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         "loop": "uvloop", "http": "httptools"}  # installed with the package: uvicorn's fast paths
     md = (tmp_path / "README.md").read_text()
     assert "Timed runs repeated because JAX compiled inside them" in md and "uvicorn thread CPU s" in md
-    assert "fill ms" in md and f"uvicorn's thread moved to CPUs [{front}]" in md
+    assert "fill ms" in md and "client build ms" in md and f"uvicorn's thread moved to CPUs [{front}]" in md
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["frontend_cpus"] == [front]
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
     assert any(line.startswith("  of which the server side") for line in lines)

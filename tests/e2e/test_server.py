@@ -152,6 +152,25 @@ def test_a_stream_interval_sends_fewer_events_with_the_same_text(server):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
 
 
+def test_the_first_token_is_handed_over_before_the_steps_decode(server):
+    """The engine loop hands a new request's first token over between its step's prefill and decode: the first
+    update holds one token, not the two that step makes (with the engine's first-token time, the decode after)."""
+    loop = server["loop"]
+    req = ps.Request(id="first-token", prompt=TOK.encode("def add(a, b):\n", bos=True), max_tokens=6, ignore_eos=True)
+
+    async def updates():
+        h = loop.submit(req)
+        ups = [await h.get()]
+        while not ups[-1].final:
+            ups.append(await h.get())
+        return ups
+
+    ups = asyncio.run(updates())
+    assert len(ups[0].tokens) == 1
+    assert sum(len(u.tokens) for u in ups) == 6 and ups[-1].done.tokens == [t for u in ups for t in u.tokens]
+    assert _idle(server["port"])
+
+
 def test_chat_completion_with_a_tool_call_whose_arguments_parse_as_json(server):
     c = server["client"]
     ex = examples(1, "heldout", seed=int(time.time()) % 1000)[0]
