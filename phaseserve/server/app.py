@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from phaseserve.engine import Request, RequestError, RequestOutput
@@ -45,7 +46,7 @@ from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
-from phaseserve.server.sse import DONE, Template, event
+from phaseserve.server.sse import DONE, EventStream, Template, event
 
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the client's connection is checked
 
@@ -199,8 +200,11 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
+    ids = itertools.count()
+    id_prefix = uuid.uuid4().hex[:16]  # request ids: unique per server (a counter), not guessable across servers
+
     def new_request(prompt: list[int], body: Any, max_tokens: int) -> Request:
-        return Request(id=uuid.uuid4().hex, prompt=prompt, **body.sampling(max_tokens))
+        return Request(id=f"{id_prefix}{next(ids):08x}", prompt=prompt, **body.sampling(max_tokens))
 
     async def run_to_end(gen: Generation, http: HttpRequest) -> str:
         """All the text of a non-streamed request; the request is cancelled if the client goes away."""
@@ -219,7 +223,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         finally:
             gen.close()
 
-    def sse(batches: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+    def sse(batches: AsyncIterator[str], gen: Generation) -> EventStream:
         """Server-sent events: one write per batch of events (an update's, and ``[DONE]`` with the last)."""
         async def body():
             done = False
@@ -234,7 +238,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
             if not done:
                 yield DONE
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return EventStream(body())
 
     # ---- endpoints --------------------------------------------------------------------------------------
     @app.get("/health")

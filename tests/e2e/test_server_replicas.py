@@ -13,6 +13,7 @@ import asyncio
 import http.client
 import json
 import socket
+import time
 
 import numpy as np
 import openai
@@ -109,6 +110,9 @@ def test_a_disconnect_frees_the_pages_of_the_replica_that_held_them(replicated):
     assert r.status == 200 and any(r.readline().startswith(b"data: {") for _ in range(6))
     held = [e.num_pages - 1 - e.allocator.num_free for e in replicated["rep"].engines]
     assert sorted(held)[0] == 0 and sorted(held)[1] > 0, held  # one replica holds the request's pages
+    end = time.monotonic() + 10  # /metrics' gauges are set once per engine-loop iteration, after the step that
+    while _metric(port, "phaseserve:kv_pages_used") != sum(held) and time.monotonic() < end:  # sent the first token
+        time.sleep(0.01)
     assert _metric(port, "phaseserve:kv_pages_used") == sum(held)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
