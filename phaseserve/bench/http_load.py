@@ -35,7 +35,8 @@ The engine's numbers use the same definitions on its own clock (``RequestMetrics
 e2e p50. On a CPU the client process, uvicorn and the engine share the machine's cores, so the HTTP arm also pays
 for its client's CPU time. Where the time goes, per run: the CPU seconds of the server process (engine, XLA
 threads, HTTP), split by thread (:func:`thread_cpu_s`: the engine loop's Python, uvicorn's event loop, and every
-other thread, where XLA runs the compiled steps), and of the client process, and the engine's own counters
+other thread, where XLA runs the compiled steps), and of the client process; the client's build (its first send
+to its ``concurrency``-th request built, by a request hook on its HTTP client; :data:`BUILD`); the engine's own counters
 (prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls), and the fill: from the
 engine's first arrival to its ``concurrency``-th (:func:`fill_s`; in-process microseconds).
 

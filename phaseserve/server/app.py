@@ -320,11 +320,11 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
                 return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
                         **extra}
 
-            content = Template(chunk({"content": Template.SLOT}))
+            content_event = Template(chunk({"content": Template.SLOT}))
             batch = [chunk({"role": "assistant", "content": ""})]
             async for d, final in gen.deltas():
                 if not final and not batch:
-                    yield content(d)
+                    yield content_event(d)
                     continue
                 batch.append(chunk({"content": d}))
                 if final:

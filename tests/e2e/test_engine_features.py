@@ -148,6 +148,7 @@ def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
         eng.step(after_prefill=hook)
     assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref
 
+
 def test_sampling_is_seeded_and_independent_of_the_batch(mla):
     cfg, params = mla
     r = Request(id="s", prompt=[3, 1, 4, 1, 5], max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=7,

@@ -154,7 +154,7 @@ def test_a_stream_interval_sends_fewer_events_with_the_same_text(server):
 
 def test_the_first_token_is_handed_over_before_the_steps_decode(server):
     """The engine loop hands a new request's first token over between its step's prefill and decode: the first
-    update holds one token, not the two that step makes (with the engine's first-token time, the decode after)."""
+    update holds one token, not the two tokens that step makes (the prefill's and the decode's)."""
     loop = server["loop"]
     req = ps.Request(id="first-token", prompt=TOK.encode("def add(a, b):\n", bos=True), max_tokens=6, ignore_eos=True)
 
