@@ -171,6 +171,20 @@ def test_the_first_token_is_handed_over_before_the_steps_decode(server):
     assert _idle(server["port"])
 
 
+def test_a_streamed_chat_reply_equals_the_whole_reply(server):
+    c = server["client"]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+              temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**kw)
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert deltas[0].role == "assistant" and len(deltas) > 3  # the role first, then the text a step at a time
+    assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
 def test_chat_completion_with_a_tool_call_whose_arguments_parse_as_json(server):
     c = server["client"]
     ex = examples(1, "heldout", seed=int(time.time()) % 1000)[0]
