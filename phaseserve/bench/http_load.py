@@ -37,8 +37,10 @@ for its client's CPU time. Where the time goes, per run: the CPU seconds of the 
 threads, HTTP), split by thread (:func:`thread_cpu_s`: the engine loop's Python, uvicorn's event loop, and every
 other thread, where XLA runs the compiled steps), and of the client process; the client's build (its first send
 to its ``concurrency``-th request built, by a request hook on its HTTP client; :data:`BUILD`); the engine's own counters
-(prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls), and the fill: from the
-engine's first arrival to its ``concurrency``-th (:func:`fill_s`; in-process microseconds).
+(prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls), the fill: from the
+engine's first arrival to its ``concurrency``-th (in-process microseconds), and the refill: how long a slot a finished
+request freed stayed empty until its replacement arrived, on the engine's clock and the client's share of it (its
+stream end to the next request built) (:func:`engine_gaps`, :func:`refill_s`).
 
 ``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
 to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
@@ -55,6 +57,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +80,10 @@ THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine l
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long the first batch took to come in
 BUILD = "build_s"  # the client's first send to its concurrency-th request built: the client's share of the ramp
-MS_COLS = {"ramp_s": "ramp ms", BUILD: "client build ms", "tail_s": "tail ms", FILL: "fill ms"}
+REFILL = "refill_s"  # closed loop: the engine's k-th finish to its (concurrency + k)-th arrival, median
+CLIENT_REFILL = "client_refill_s"  # the client's k-th stream end to its (concurrency + k)-th request built, median
+MS_COLS = {"ramp_s": "ramp ms", BUILD: "client build ms", "tail_s": "tail ms", FILL: "fill ms", REFILL: "refill ms",
+           CLIENT_REFILL: "client refill ms"}
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
@@ -131,6 +137,7 @@ async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: in
     return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
             "first_sent": first_sent, "last_end": last_end,
             BUILD: sorted(built)[min(concurrency, len(built)) - 1] - first_sent,
+            CLIENT_REFILL: refill_s([r["end"] for r in recs], built, concurrency),
             "client_cpu_s": _cpu_s() - cpu0, **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
 
 
@@ -290,14 +297,25 @@ def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c:
         if pin is not None:
             os.sched_setaffinity(pin[0], pin[2])
     outputs = loop.run_exclusive(lambda _: list(engine.outputs.values())).result()
-    return rec | split_wall(rec, outputs) | {FILL: fill_s(outputs, c)}
+    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c)
 
 
-def fill_s(outputs: list, c: int) -> float:
-    """Seconds from the engine's first arrival to its ``c``-th: how long the first batch of a closed loop at
-    concurrency ``c`` took to come in (in-process microseconds: the first batch is added in one loop)."""
+def engine_gaps(outputs: list, c: int) -> dict:
+    """A closed loop at concurrency ``c`` on the engine's clock: the fill (:data:`FILL`: its first arrival to its
+    ``c``-th, how long the first batch took to come in; in-process microseconds, the batch is added in one loop) and
+    the refill (:data:`REFILL`, :func:`refill_s` of its finishes and arrivals: how long a slot a finished request
+    freed stayed empty until the request replacing it arrived; in-process, the rest of the step it finished in)."""
     arrivals = sorted(o.metrics.arrival for o in outputs)
-    return arrivals[min(c, len(arrivals)) - 1] - arrivals[0]
+    return {FILL: arrivals[min(c, len(arrivals)) - 1] - arrivals[0],
+            REFILL: refill_s([o.metrics.finished for o in outputs], arrivals, c)}
+
+
+def refill_s(ends: list[float], starts: list[float], c: int) -> float:
+    """Median of the ``(c + k)``-th of ``starts`` minus the ``k``-th of ``ends`` (each sorted), over the requests
+    after the first ``c``: in a closed loop the ``k``-th request to end frees the slot the ``(c + k)``-th takes, so
+    this is how long a freed slot waits for its next request (0.0 when every request was in the first ``c``)."""
+    later = sorted(starts)[c:]
+    return statistics.median(s - e for s, e in zip(later, sorted(ends), strict=False)) if later else 0.0
 
 
 def split_wall(rec: dict, outputs: list) -> dict:
@@ -369,7 +387,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                                 client.start_busy(duty)
                             try:
                                 rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")
-                                                         | {FILL: fill_s(list(engine.outputs.values()), c)}).result()
+                                                         | engine_gaps(list(engine.outputs.values()), c)).result()
                             finally:
                                 load = client.stop_busy() if arm == LOADED else {}
                             rec |= {"ramp_s": 0.0, "engine_wall_s": rec["wall_s"], "tail_s": 0.0,
@@ -383,7 +401,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
-                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, "busy_duty")}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, REFILL, CLIENT_REFILL,
+                                            "busy_duty")}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
@@ -412,7 +431,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             "frontend_cpus": None if front is None else sorted(front)},
                "records": records, "ratio_http_over_in_process": ratios, "ratio_http_over_loaded": over_loaded,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
-                                                        "client_cpu_s", "wall_s", *SPLIT, BUILD, FILL, "busy_duty"]
+                                                        "client_cpu_s", "wall_s", *SPLIT, BUILD, FILL, REFILL,
+                                                        CLIENT_REFILL, "busy_duty"]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -513,7 +533,7 @@ def markdown(results: dict) -> str:
     threads_cols = ["engine-loop thread CPU s", "uvicorn thread CPU s", "other threads CPU s"] if split else []
     cpu_cols = ["wall_s", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS if split), "client_cpu_s"]
     first = next(iter(agg[arms[0]].values()))
-    ms_cols = ["ramp_s", *([BUILD] if BUILD in first else []), "tail_s", *([FILL] if FILL in first else [])]
+    ms_cols = [m for m in MS_COLS if m in first]  # older results lack the later columns
     for c in points:
         for arm in arms:
             a = agg[arm][c]
@@ -550,7 +570,11 @@ def markdown(results: dict) -> str:
         "engine's first arrival), the client's build (its first send to its concurrency-th request built, by its HTTP "
         "client's request hook) and tail (the engine's last finish to the client's last stream end), on the clock "
         "both processes share; the fill: the engine's first arrival to its concurrency-th, i.e. how long the first "
-        "batch took to come in; the engine's counters; seconds inside prefill / decode calls)",
+        "batch took to come in; the refill: from the engine's k-th finish to its (concurrency + k)-th arrival, i.e. "
+        "how long a slot freed by a finishing request stayed empty until its replacement came in (median over a "
+        "run's replacements; in-process, the rest of the step it finished in), and the client's refill: from its k-th "
+        "stream end to its (concurrency + k)-th request built; the engine's counters; seconds inside prefill / "
+        "decode calls)",
         rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s",
                            *(MS_COLS[m] for m in ms_cols), *ENGINE_COUNTERS], where),
         rp.environment_section(results["environment"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -19,7 +20,7 @@ from phaseserve.config_hydra import REPO_ROOT
 
 OVERRIDES = ["model=tiny_mla", "+model.overrides.num_hidden_layers=1", "+model.overrides.first_k_dense_replace=0",
              "progress=false", "workload.prompt.mean=20", "workload.output.mean=4", "workload.concurrency=[2]",
-             "workload.waves=1", "experiment.repeats=1", "experiment.headline_concurrency=2", "engine.max_batch=2"]
+             "workload.waves=2", "experiment.repeats=1", "experiment.headline_concurrency=2", "engine.max_batch=2"]
 
 
 def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
@@ -47,6 +48,12 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     fills = {r["arm"]: r["fill_s"] for r in records}  # in-process the first batch is added in one loop; over HTTP
     assert 0 <= fills["in-process"] < 1e-3, fills  # each request comes in its own handler
     assert all(0 < fills[a] < r["wall_s"] for a in fills if a.startswith("http") for r in records if r["arm"] == a)
+    for r in records:  # a closed loop's second wave: each replacement arrives after the request it replaces ended
+        assert 0 <= r["refill_s"] < r["wall_s"], r
+        if r["arm"].startswith("http"):  # over HTTP, the client's share (stream end -> next request built) is part
+            assert 0 < r["client_refill_s"] < r["refill_s"], r  # of the engine's (finish -> next arrival)
+        else:
+            assert r["client_refill_s"] == 0, r
     assert len({r["requests"] for r in records}) == 1 and records[0]["requests"] >= 2  # the same requests per arm
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
@@ -78,7 +85,8 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         "loop": "uvloop", "http": "httptools"}  # installed with the package: uvicorn's fast paths
     md = (tmp_path / "README.md").read_text()
     assert "Timed runs repeated because JAX compiled inside them" in md and "uvicorn thread CPU s" in md
-    assert "fill ms" in md and "client build ms" in md and f"uvicorn's thread moved to CPUs [{front}]" in md
+    assert "fill ms" in md and "client build ms" in md and "client refill ms" in md
+    assert f"uvicorn's thread moved to CPUs [{front}]" in md
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["frontend_cpus"] == [front]
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
     assert any(line.startswith("  of which the server side") for line in lines)
@@ -87,15 +95,26 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         assert "## http / in-process-loaded" in md
 
 
+def _stop_after(conn, seconds: float) -> None:
+    time.sleep(seconds)
+    conn.send("stop")
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the forked child only sleeps and writes to a pipe
 def test_busy_keeps_the_cpu_busy_at_the_duty_until_told_to_stop():
     import multiprocessing as mp
 
-    from openai.types import Completion  # noqa: F401  (imported here, so busy() starts when the timer does)
+    from openai.types import Completion  # noqa: F401  (imported here, so busy() starts when the stopper does)
 
+    # the stop comes from another process, as in the experiment: a thread of this one has to wait for busy()'s loop
+    # to hand over the interpreter lock, seconds at duty 1.0 on a loaded machine
+    ctx = mp.get_context("fork")
     for duty in (0.25, 1.0):
-        parent, child = mp.Pipe()
-        threading.Timer(0.5, parent.send, args=("stop",)).start()
+        parent, child = ctx.Pipe()
+        stopper = ctx.Process(target=_stop_after, args=(parent, 0.5))
+        stopper.start()
         out = http_load.busy(child, duty)
+        stopper.join()
         assert 0.45 < out["wall_s"] < 2.0, out
         # about duty x wall of CPU (this machine is shared: a loose lower bound, a firm upper one)
         assert 0.3 * duty * out["wall_s"] < out["client_cpu_s"] < 1.5 * duty * out["wall_s"] + 0.05, (duty, out)
