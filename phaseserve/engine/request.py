@@ -79,9 +79,11 @@ class Request:
 
 @dataclass
 class RequestMetrics:
-    """Times are ``time.perf_counter()`` seconds."""
+    """Times are ``time.perf_counter()`` seconds. ``arrival``: added to the engine; ``received``: taken in by a front
+    end that queued it for the engine (the HTTP server's engine loop inbox), None when added directly."""
 
     arrival: float = 0.0
+    received: float | None = None
     first_token: float | None = None
     finished: float | None = None
     num_prompt_tokens: int = 0

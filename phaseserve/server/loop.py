@@ -159,6 +159,7 @@ class Handle:
     request: Request
     aio: asyncio.AbstractEventLoop
     output: RequestOutput | None = None  # set by the loop thread on submission
+    received: float = field(default_factory=time.perf_counter)  # when submit() queued it (its metrics' ``received``)
     sent: int = 0  # tokens handed over so far (loop thread only)
     stop_string: bool = False  # the HTTP side ended it at a stop string (then cancelled it in the engine)
     _pending: Update = field(default_factory=lambda: Update([]))  # event-loop thread only
@@ -257,6 +258,7 @@ class EngineLoop:
                 kind, arg = item
                 if kind == "submit":
                     arg.output = self.backend.submit(arg.request)
+                    arg.output.metrics.received = arg.received
                     self._active[arg.request.id] = arg
                 elif kind == "cancel":
                     self.backend.cancel(arg)

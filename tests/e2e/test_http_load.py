@@ -51,9 +51,10 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     for r in records:  # a closed loop's second wave: each replacement arrives after the request it replaces ended
         assert 0 <= r["refill_s"] < r["wall_s"], r
         if r["arm"].startswith("http"):  # over HTTP, the client's share (stream end -> next request built) is part
-            assert 0 < r["client_refill_s"] < r["refill_s"], r  # of the engine's (finish -> next arrival)
-        else:
-            assert r["client_refill_s"] == 0, r
+            assert 0 < r["client_refill_s"] < r["refill_s"], r  # of the engine's (finish -> next arrival); a request
+            assert 0 < r["transit_s"] < r["wall_s"] and 0 <= r["inbox_s"] < r["wall_s"], r  # is built, then received
+        else:  # by the server, then added to the engine
+            assert r["client_refill_s"] == r["transit_s"] == r["inbox_s"] == 0, r
     assert len({r["requests"] for r in records}) == 1 and records[0]["requests"] >= 2  # the same requests per arm
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
@@ -85,7 +86,7 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         "loop": "uvloop", "http": "httptools"}  # installed with the package: uvicorn's fast paths
     md = (tmp_path / "README.md").read_text()
     assert "Timed runs repeated because JAX compiled inside them" in md and "uvicorn thread CPU s" in md
-    assert "fill ms" in md and "client build ms" in md and "client refill ms" in md
+    assert "fill ms" in md and "client build ms" in md and "client refill ms" in md and "inbox ms" in md
     assert f"uvicorn's thread moved to CPUs [{front}]" in md
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["frontend_cpus"] == [front]
     assert any(line.startswith("http throughput at concurrency 2:") for line in lines)
