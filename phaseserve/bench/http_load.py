@@ -40,9 +40,10 @@ to its ``concurrency``-th request built, by a request hook on its HTTP client; :
 (prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls), the fill: from the
 engine's first arrival to its ``concurrency``-th (in-process microseconds), and the refill: how long a slot a finished
 request freed stayed empty until its replacement arrived, on the engine's clock and the client's share of it (its
-stream end to the next request built) (:func:`engine_gaps`, :func:`refill_s`); per request, the transit (the client's
-request built to the server's handler queueing it for the engine loop, ``RequestMetrics.received``) and the inbox wait
-(received to added to the engine).
+stream end to the next request built) (:func:`engine_gaps`, :func:`refill_s`); per request (:func:`request_path`),
+the delivery (the engine's finish to the client's stream end), the transit (the client's request built to the server's
+handler queueing it for the engine loop, ``RequestMetrics.received``) and the inbox wait (received to added to the
+engine).
 
 ``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
 to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
@@ -84,10 +85,11 @@ FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long th
 BUILD = "build_s"  # the client's first send to its concurrency-th request built: the client's share of the ramp
 REFILL = "refill_s"  # closed loop: the engine's k-th finish to its (concurrency + k)-th arrival, median
 CLIENT_REFILL = "client_refill_s"  # the client's k-th stream end to its (concurrency + k)-th request built, median
+DELIVER = "deliver_s"  # the engine's k-th finish to the client's k-th stream end, median
 TRANSIT = "transit_s"  # the client's k-th request built to the server's k-th received (its engine loop inbox), median
 INBOX = "inbox_s"  # a request's wait in the engine loop's inbox: received to added to the engine, median
 MS_COLS = {"ramp_s": "ramp ms", BUILD: "client build ms", "tail_s": "tail ms", FILL: "fill ms", REFILL: "refill ms",
-           CLIENT_REFILL: "client refill ms", TRANSIT: "transit ms", INBOX: "inbox ms"}
+           DELIVER: "deliver ms", CLIENT_REFILL: "client refill ms", TRANSIT: "transit ms", INBOX: "inbox ms"}
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
 METRICS = ["output_tok_per_s", "ttft.p50", "ttft.p95", "ttft.p99", "tpot.p50", "tpot.p95", "tpot.p99", "e2e.p50",
            "e2e.p95", "e2e.p99"]
@@ -142,6 +144,7 @@ async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: in
             "first_sent": first_sent, "last_end": last_end,
             BUILD: sorted(built)[min(concurrency, len(built)) - 1] - first_sent,
             CLIENT_REFILL: refill_s([r["end"] for r in recs], built, concurrency), "built": sorted(built),
+            "ends": sorted(r["end"] for r in recs),
             "client_cpu_s": _cpu_s() - cpu0, **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
 
 
@@ -301,10 +304,8 @@ def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c:
         if pin is not None:
             os.sched_setaffinity(pin[0], pin[2])
     outputs = loop.run_exclusive(lambda _: list(engine.outputs.values())).result()
-    received = sorted(o.metrics.received for o in outputs)
-    transit = statistics.median(r - b for r, b in zip(received, rec.pop("built"), strict=True))
-    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c) | {
-        TRANSIT: transit, INBOX: statistics.median(o.metrics.arrival - o.metrics.received for o in outputs)}
+    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c) | request_path(outputs, rec.pop("built"),
+                                                                                  rec.pop("ends"))
 
 
 def engine_gaps(outputs: list, c: int) -> dict:
@@ -315,6 +316,18 @@ def engine_gaps(outputs: list, c: int) -> dict:
     arrivals = sorted(o.metrics.arrival for o in outputs)
     return {FILL: arrivals[min(c, len(arrivals)) - 1] - arrivals[0],
             REFILL: refill_s([o.metrics.finished for o in outputs], arrivals, c)}
+
+
+def request_path(outputs: list, built: list[float], ends: list[float]) -> dict:
+    """An HTTP run's requests on the clock both processes share, medians: :data:`DELIVER` (the engine's k-th finish
+    to the client's k-th stream end), :data:`TRANSIT` (the client's k-th request built to the server's k-th
+    received) and :data:`INBOX` (each request's received to its arrival in the engine); k-th of each, sorted."""
+    def paired(later: list[float], earlier: list[float]) -> float:
+        return statistics.median(b - a for a, b in zip(sorted(earlier), sorted(later), strict=True))
+
+    received = [o.metrics.received for o in outputs]
+    return {DELIVER: paired(ends, [o.metrics.finished for o in outputs]), TRANSIT: paired(received, built),
+            INBOX: statistics.median(o.metrics.arrival - o.metrics.received for o in outputs)}
 
 
 def refill_s(ends: list[float], starts: list[float], c: int) -> float:
@@ -408,8 +421,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
-                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, REFILL, CLIENT_REFILL,
-                                            TRANSIT, INBOX, "busy_duty")}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, REFILL, DELIVER,
+                                            CLIENT_REFILL, TRANSIT, INBOX, "busy_duty")}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
@@ -439,7 +452,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                "records": records, "ratio_http_over_in_process": ratios, "ratio_http_over_loaded": over_loaded,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
                                                         "client_cpu_s", "wall_s", *SPLIT, BUILD, FILL, REFILL,
-                                                        CLIENT_REFILL, TRANSIT, INBOX, "busy_duty"]
+                                                        DELIVER, CLIENT_REFILL, TRANSIT, INBOX, "busy_duty"]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -580,7 +593,8 @@ def markdown(results: dict) -> str:
         "batch took to come in; the refill: from the engine's k-th finish to its (concurrency + k)-th arrival, i.e. "
         "how long a slot freed by a finishing request stayed empty until its replacement came in (median over a "
         "run's replacements; in-process, the rest of the step it finished in), and the client's refill: from its k-th "
-        "stream end to its (concurrency + k)-th request built; the transit: from the client's k-th request built to "
+        "stream end to its (concurrency + k)-th request built; the delivery: from the engine's k-th finish to the "
+        "client's k-th stream end; the transit: from the client's k-th request built to "
         "the server's k-th received (queued for the engine loop by its handler), and the inbox: from received to "
         "added to the engine (the engine loop reads its inbox before each step), medians over a run's requests; the "
         "engine's counters; seconds inside prefill / decode calls)",

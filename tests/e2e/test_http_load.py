@@ -53,8 +53,9 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
         if r["arm"].startswith("http"):  # over HTTP, the client's share (stream end -> next request built) is part
             assert 0 < r["client_refill_s"] < r["refill_s"], r  # of the engine's (finish -> next arrival); a request
             assert 0 < r["transit_s"] < r["wall_s"] and 0 <= r["inbox_s"] < r["wall_s"], r  # is built, then received
-        else:  # by the server, then added to the engine
-            assert r["client_refill_s"] == r["transit_s"] == r["inbox_s"] == 0, r
+            assert 0 < r["deliver_s"] < r["wall_s"], r  # by the server, then added to the engine; a finish reaches
+        else:  # the client after the engine made it
+            assert r["client_refill_s"] == r["transit_s"] == r["inbox_s"] == r["deliver_s"] == 0, r
     assert len({r["requests"] for r in records}) == 1 and records[0]["requests"] >= 2  # the same requests per arm
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
