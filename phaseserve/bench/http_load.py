@@ -39,11 +39,9 @@ other thread, where XLA runs the compiled steps), and of the client process; the
 to its ``concurrency``-th request built, by a request hook on its HTTP client; :data:`BUILD`); the engine's own counters
 (prefill batches, decode steps, mean running batch, seconds inside prefill and decode calls), the fill: from the
 engine's first arrival to its ``concurrency``-th (in-process microseconds), and the refill: how long a slot a finished
-request freed stayed empty until its replacement arrived, on the engine's clock and the client's share of it (its
-stream end to the next request built) (:func:`engine_gaps`, :func:`refill_s`); per request (:func:`request_path`),
-the delivery (the engine's finish to the client's stream end), the transit (the client's request built to the server's
-handler queueing it for the engine loop, ``RequestMetrics.received``) and the inbox wait (received to added to the
-engine).
+request freed stayed empty until its replacement arrived, over HTTP split into its way back to the client, the
+client's next request, its way to the server's handler (``RequestMetrics.received``) and its wait in the engine
+loop's inbox (:func:`engine_gaps`, :func:`refill_parts`).
 
 ``experiment.client_cpus`` (e.g. ``[1]``) stands in for a client on another machine: the client process is pinned
 to those CPUs and every thread of the server process (engine, XLA workers, uvicorn) to the others, for every arm,
@@ -56,6 +54,7 @@ nothing: client and server share every core.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -83,11 +82,12 @@ THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine l
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long the first batch took to come in
 BUILD = "build_s"  # the client's first send to its concurrency-th request built: the client's share of the ramp
-REFILL = "refill_s"  # closed loop: the engine's k-th finish to its (concurrency + k)-th arrival, median
-CLIENT_REFILL = "client_refill_s"  # the client's k-th stream end to its (concurrency + k)-th request built, median
-DELIVER = "deliver_s"  # the engine's k-th finish to the client's k-th stream end, median
-TRANSIT = "transit_s"  # the client's k-th request built to the server's k-th received (its engine loop inbox), median
-INBOX = "inbox_s"  # a request's wait in the engine loop's inbox: received to added to the engine, median
+REFILL = "refill_s"  # closed loop: the engine's k-th finish to its (concurrency + k)-th arrival, mean (refill_parts)
+DELIVER = "deliver_s"  # the refill's parts over HTTP: the engine's k-th finish to the client's k-th stream end,
+CLIENT_REFILL = "client_refill_s"  # then to the client's (concurrency + k)-th request built,
+TRANSIT = "transit_s"  # then to the server's (concurrency + k)-th received (queued for the engine loop),
+INBOX = "inbox_s"  # then to the engine's (concurrency + k)-th arrival
+PARTS = [DELIVER, CLIENT_REFILL, TRANSIT, INBOX]
 MS_COLS = {"ramp_s": "ramp ms", BUILD: "client build ms", "tail_s": "tail ms", FILL: "fill ms", REFILL: "refill ms",
            DELIVER: "deliver ms", CLIENT_REFILL: "client refill ms", TRANSIT: "transit ms", INBOX: "inbox ms"}
 ENGINE_COUNTERS = ["prefill_batches", "decode_steps", "mean_running", "prefill_time_s", "decode_time_s"]
@@ -143,8 +143,7 @@ async def _client_run(client: Any, model: str, reqs: list[dict], concurrency: in
     return {"requests": len(recs), "output_tokens": out_tokens, "wall_s": wall, "output_tok_per_s": out_tokens / wall,
             "first_sent": first_sent, "last_end": last_end,
             BUILD: sorted(built)[min(concurrency, len(built)) - 1] - first_sent,
-            CLIENT_REFILL: refill_s([r["end"] for r in recs], built, concurrency), "built": sorted(built),
-            "ends": sorted(r["end"] for r in recs),
+            "built": sorted(built), "ends": sorted(r["end"] for r in recs),
             "client_cpu_s": _cpu_s() - cpu0, **{k: percentiles([r[k] for r in recs]) for k in ("ttft", "tpot", "e2e")}}
 
 
@@ -304,38 +303,36 @@ def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c:
         if pin is not None:
             os.sched_setaffinity(pin[0], pin[2])
     outputs = loop.run_exclusive(lambda _: list(engine.outputs.values())).result()
-    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c) | request_path(outputs, rec.pop("built"),
-                                                                                  rec.pop("ends"))
+    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c, rec.pop("ends"), rec.pop("built"))
 
 
-def engine_gaps(outputs: list, c: int) -> dict:
-    """A closed loop at concurrency ``c`` on the engine's clock: the fill (:data:`FILL`: its first arrival to its
-    ``c``-th, how long the first batch took to come in; in-process microseconds, the batch is added in one loop) and
-    the refill (:data:`REFILL`, :func:`refill_s` of its finishes and arrivals: how long a slot a finished request
-    freed stayed empty until the request replacing it arrived; in-process, the rest of the step it finished in)."""
+def engine_gaps(outputs: list, c: int, ends: list[float] | None = None, built: list[float] | None = None) -> dict:
+    """A closed loop at concurrency ``c``: the fill (:data:`FILL`: the engine's first arrival to its ``c``-th, how
+    long the first batch took to come in; in-process microseconds, the batch is added in one loop) and
+    :func:`refill_parts` (its parts over HTTP, given the client's stream ends and requests built)."""
     arrivals = sorted(o.metrics.arrival for o in outputs)
+    finished = sorted(o.metrics.finished for o in outputs)
+    received = None if ends is None else sorted(o.metrics.received for o in outputs)
     return {FILL: arrivals[min(c, len(arrivals)) - 1] - arrivals[0],
-            REFILL: refill_s([o.metrics.finished for o in outputs], arrivals, c)}
+            **refill_parts(c, finished, arrivals, None if ends is None else sorted(ends),
+                           None if built is None else sorted(built), received)}
 
 
-def request_path(outputs: list, built: list[float], ends: list[float]) -> dict:
-    """An HTTP run's requests on the clock both processes share, medians: :data:`DELIVER` (the engine's k-th finish
-    to the client's k-th stream end), :data:`TRANSIT` (the client's k-th request built to the server's k-th
-    received) and :data:`INBOX` (each request's received to its arrival in the engine); k-th of each, sorted."""
-    def paired(later: list[float], earlier: list[float]) -> float:
-        return statistics.median(b - a for a, b in zip(sorted(earlier), sorted(later), strict=True))
-
-    received = [o.metrics.received for o in outputs]
-    return {DELIVER: paired(ends, [o.metrics.finished for o in outputs]), TRANSIT: paired(received, built),
-            INBOX: statistics.median(o.metrics.arrival - o.metrics.received for o in outputs)}
-
-
-def refill_s(ends: list[float], starts: list[float], c: int) -> float:
-    """Median of the ``(c + k)``-th of ``starts`` minus the ``k``-th of ``ends`` (each sorted), over the requests
-    after the first ``c``: in a closed loop the ``k``-th request to end frees the slot the ``(c + k)``-th takes, so
-    this is how long a freed slot waits for its next request (0.0 when every request was in the first ``c``)."""
-    later = sorted(starts)[c:]
-    return statistics.median(s - e for s, e in zip(later, sorted(ends), strict=False)) if later else 0.0
+def refill_parts(c: int, finished: list[float], arrivals: list[float], ends: list[float] | None = None,
+                 built: list[float] | None = None, received: list[float] | None = None) -> dict:
+    """How long a slot freed by a finishing request stays empty in a closed loop at concurrency ``c`` (every list
+    sorted): the ``k``-th request to finish frees the slot the ``(c + k)``-th takes, so the refill (:data:`REFILL`)
+    is the engine's ``(c + k)``-th arrival minus its ``k``-th finish, a mean over the run's replacements
+    (in-process, the rest of the step it finished in). Over HTTP (``ends``, ``built``, ``received`` given) it is
+    split into :data:`PARTS`, means that add up to it: the ``k``-th finish to the client's ``k``-th stream end, to
+    its ``(c + k)``-th request built, to the server's ``(c + k)``-th received, to the ``(c + k)``-th arrival. Zeros
+    when every request was in the first ``c``."""
+    n, http = len(finished) - c, ends is not None
+    if n <= 0:
+        return dict.fromkeys([REFILL, *PARTS] if http else [REFILL], 0.0)
+    chain = [finished[:n], *([ends[:n], built[c:], received[c:]] if http else []), arrivals[c:]]
+    gaps = [statistics.fmean(b - a for a, b in zip(x, y, strict=True)) for x, y in itertools.pairwise(chain)]
+    return {REFILL: sum(gaps), **(dict(zip(PARTS, gaps, strict=True)) if http else {})}
 
 
 def split_wall(rec: dict, outputs: list) -> dict:
@@ -421,8 +418,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
-                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, REFILL, DELIVER,
-                                            CLIENT_REFILL, TRANSIT, INBOX, "busy_duty")}
+                        k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, REFILL, *PARTS,
+                                            "busy_duty")}
                     rec.update(engine=_engine_counters(engine), arm=arm, point=c, repeat=rep, order=order,
                                reruns=reruns, load_1m=round(os.getloadavg()[0], 2))
                     records.append(rec)
@@ -452,7 +449,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                "records": records, "ratio_http_over_in_process": ratios, "ratio_http_over_loaded": over_loaded,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
                                                         "client_cpu_s", "wall_s", *SPLIT, BUILD, FILL, REFILL,
-                                                        DELIVER, CLIENT_REFILL, TRANSIT, INBOX, "busy_duty"]
+                                                        *PARTS, "busy_duty"]
                                       + [f"engine.{k}" for k in ENGINE_COUNTERS]),
                "headline_concurrency": spec.headline_concurrency}
     rp.write_outputs(out_dir, cfg, results, markdown(results))
@@ -591,12 +588,11 @@ def markdown(results: dict) -> str:
         "client's request hook) and tail (the engine's last finish to the client's last stream end), on the clock "
         "both processes share; the fill: the engine's first arrival to its concurrency-th, i.e. how long the first "
         "batch took to come in; the refill: from the engine's k-th finish to its (concurrency + k)-th arrival, i.e. "
-        "how long a slot freed by a finishing request stayed empty until its replacement came in (median over a "
-        "run's replacements; in-process, the rest of the step it finished in), and the client's refill: from its k-th "
-        "stream end to its (concurrency + k)-th request built; the delivery: from the engine's k-th finish to the "
-        "client's k-th stream end; the transit: from the client's k-th request built to "
-        "the server's k-th received (queued for the engine loop by its handler), and the inbox: from received to "
-        "added to the engine (the engine loop reads its inbox before each step), medians over a run's requests; the "
+        "how long a slot freed by a finishing request stayed empty until its replacement came in (a mean over the "
+        "run's replacements; in-process, the rest of the step it finished in), over HTTP in four parts that add up to "
+        "it (means): deliver, the k-th finish to the client's k-th stream end; client refill, to its (concurrency + "
+        "k)-th request built; transit, to the server's (concurrency + k)-th received (its handler queued it for the "
+        "engine loop); inbox, to the engine's (concurrency + k)-th arrival (the loop reads its inbox between steps); "
         "engine's counters; seconds inside prefill / decode calls)",
         rp.markdown_table(["concurrency", "arm", "wall s", "server CPU s", *threads_cols, "client CPU s",
                            *(MS_COLS[m] for m in ms_cols), *ENGINE_COUNTERS], where),

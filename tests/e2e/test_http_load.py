@@ -49,13 +49,13 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     assert 0 <= fills["in-process"] < 1e-3, fills  # each request comes in its own handler
     assert all(0 < fills[a] < r["wall_s"] for a in fills if a.startswith("http") for r in records if r["arm"] == a)
     for r in records:  # a closed loop's second wave: each replacement arrives after the request it replaces ended
-        assert 0 <= r["refill_s"] < r["wall_s"], r
-        if r["arm"].startswith("http"):  # over HTTP, the client's share (stream end -> next request built) is part
-            assert 0 < r["client_refill_s"] < r["refill_s"], r  # of the engine's (finish -> next arrival); a request
-            assert 0 < r["transit_s"] < r["wall_s"] and 0 <= r["inbox_s"] < r["wall_s"], r  # is built, then received
-            assert 0 < r["deliver_s"] < r["wall_s"], r  # by the server, then added to the engine; a finish reaches
-        else:  # the client after the engine made it
-            assert r["client_refill_s"] == r["transit_s"] == r["inbox_s"] == r["deliver_s"] == 0, r
+        assert 0 < r["refill_s"] < r["wall_s"], r
+        parts = [r[k] for k in http_load.PARTS]
+        if r["arm"].startswith("http"):  # over HTTP: back to the client, its next request, to the server's handler,
+            assert all(p > 0 for p in parts[:3]) and parts[3] >= 0, r  # through the engine loop's inbox: in order,
+            assert abs(sum(parts) - r["refill_s"]) < 1e-9, r  # and adding up to the whole wait
+        else:
+            assert parts == [0, 0, 0, 0], r
     assert len({r["requests"] for r in records}) == 1 and records[0]["requests"] >= 2  # the same requests per arm
     for r in records:
         assert r["output_tokens"] == 4 * r["requests"], r["arm"]  # every request completed its 4 tokens
@@ -166,3 +166,13 @@ def test_client_cpus_split_the_usable_cpus_and_pin_every_thread():
         release.set()
         t.join()
     assert os.sched_getaffinity(0) == usable
+
+
+def test_refill_parts_pair_the_kth_finish_with_the_replacement_that_took_its_slot():
+    finished, arrivals = [1.0, 2.0, 5.0, 6.0], [0.0, 0.0, 3.0, 4.5]  # concurrency 2: requests 3 and 4 replace 1 and 2
+    assert http_load.refill_parts(2, finished, arrivals) == {"refill_s": 2.25}  # mean(3 - 1, 4.5 - 2)
+    parts = http_load.refill_parts(2, finished, arrivals, ends=[1.5, 2.25, 5.5, 6.5], built=[0.1, 0.2, 2.0, 3.0],
+                                   received=[0.2, 0.3, 2.5, 4.0])
+    assert parts == pytest.approx({"refill_s": 2.25, "deliver_s": 0.375, "client_refill_s": 0.625, "transit_s": 0.75,
+                                   "inbox_s": 0.5})
+    assert http_load.refill_parts(4, finished, arrivals) == {"refill_s": 0.0}  # one wave: nothing was replaced
