@@ -24,6 +24,11 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
   ``openai`` model). Where the client's CPUs are not independent of the server's (two vCPUs of one VM can share a
   physical core or its caches), the client's work slows the engine; this arm measures that alone, and
   ``ratio_http_over_loaded`` is the ``http`` arm's throughput over it, paired per repeat;
+- ``in-process-replay`` (when ``experiment.replay_control``): the in-process arm with the arrivals the server's engine
+  loop saw in the last ``http`` run (:func:`replay`): the first wave's requests at the offsets from the client's first
+  send at which the server received them, each replacement that long after the finish it replaces as the server
+  received it then. ``ratio_http_over_replay`` is the ``http`` arm's throughput over it, paired per repeat: the
+  overhead that remains when the engine sees the same arrivals, i.e. the server's own cost;
 - ``http-frontend`` (when ``experiment.frontend_cpus`` is set, e.g. ``[1]``): as ``http``, with uvicorn's thread
   moved to those CPUs for the run and back after (the engine loop and XLA's workers stay where they are): the HTTP
   frontend on a host core of its own, as on an accelerator server, where the HTTP layer's CPU time does not come
@@ -54,6 +59,7 @@ nothing: client and server share every core.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
 import multiprocessing as mp
@@ -61,6 +67,7 @@ import os
 import resource
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,8 +83,10 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine, Request
 from phaseserve.engine.metrics import percentiles
 
-ARMS = ["in-process", "in-process-loaded", "http", "http-coalesced", "http-frontend"]
+ARMS = ["in-process", "in-process-loaded", "in-process-replay", "http", "http-coalesced", "http-frontend"]
 LOADED = "in-process-loaded"  # the in-process arm with the client's CPUs kept as busy as in the last http run
+REPLAY = "in-process-replay"  # the in-process arm with the last http run's arrivals outside the server (replay)
+CONTROLS = {LOADED: "ratio_http_over_loaded", REPLAY: "ratio_http_over_replay"}
 THREADS = ["engine_loop", "http", "other"]  # server CPU by thread: the engine loop, uvicorn, the rest (XLA pools)
 SPLIT = ["ramp_s", "engine_wall_s", "tail_s", "engine_tok_per_s"]  # split_wall; the in-process arm: 0, wall, 0, tok/s
 FILL = "fill_s"  # the engine's first arrival to its concurrency-th: how long the first batch took to come in
@@ -106,6 +115,7 @@ class HttpLoadSpec:
     client_cpus: list[int] | None = None  # pin the client here and the server to the other CPUs (None: no pinning)
     frontend_cpus: list[int] | None = None  # the http-frontend arm: uvicorn's thread here (None: no such arm)
     loaded_control: bool = False  # the in-process-loaded arm (needs client_cpus)
+    replay_control: bool = False  # the in-process-replay arm
 
 
 # ---- the client process -----------------------------------------------------------------------------------
@@ -303,7 +313,45 @@ def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c:
         if pin is not None:
             os.sched_setaffinity(pin[0], pin[2])
     outputs = loop.run_exclusive(lambda _: list(engine.outputs.values())).result()
-    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c, rec.pop("ends"), rec.pop("built"))
+    received, finished = sorted(o.metrics.received for o in outputs), sorted(o.metrics.finished for o in outputs)
+    marks = {"first": [t - rec["first_sent"] for t in received[:c]],
+             "later": [t - f for t, f in zip(received[c:], finished, strict=False)]}
+    return rec | split_wall(rec, outputs) | engine_gaps(outputs, c, rec.pop("ends"), rec.pop("built")) | {
+        "replay": marks}
+
+
+def replay(engine: Engine, requests: list[Request], c: int, first: list[float], later: list[float]) -> dict:
+    """The in-process closed loop at concurrency ``c`` with an HTTP run's arrivals at the server: the ``i``-th
+    request of the first wave is due ``first[i]`` s after the start (an HTTP run: the server received it that long
+    after the client's first send), and the one replacing the ``k``-th to finish ``later[k]`` s after that finish
+    (the server received the ``(c + k)``-th that long after the engine's ``k``-th finish: back to the client, its
+    next request, to the server's handler). Due requests are added before each step, as the server's engine loop
+    reads its inbox. The engine's summary, as :func:`~phaseserve.bench.workload.drive` returns it."""
+    reset_engine(engine, max_batch=c)
+    pending, outs, due = deque(requests), [], []
+    m = engine.metrics
+    m.start = start = time.perf_counter()
+    for d in first[:c]:
+        bisect.insort(due, start + d)
+    replaced = 0
+    while pending or engine.has_work:
+        now = time.perf_counter()
+        while due and due[0] <= now and pending:
+            due.pop(0)
+            outs.append(engine.add_request(pending.popleft()))
+        if not engine.has_work:
+            if not due:  # nothing due and nothing running: the rest can never come (a short `later`)
+                raise RuntimeError(f"replay stalled with {len(pending)} requests pending")
+            time.sleep(max(due[0] - now, 0.0))
+            continue
+        engine.step()
+        ended = sorted(o.metrics.finished for o in outs if o.finished)[replaced:]
+        for f in ended:
+            if replaced < len(requests) - c:
+                bisect.insort(due, f + later[min(replaced, len(later) - 1)])
+            replaced += 1
+    m.end = time.perf_counter()
+    return engine.summary()
 
 
 def engine_gaps(outputs: list, c: int, ends: list[float] | None = None, built: list[float] | None = None) -> dict:
@@ -382,7 +430,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     tids = {"engine_loop": loop.native_id, "http": thread.native_id}
     client = Client(base, spec.model_name, spec.timeout_s, None if cpus is None else cpus[0])
     arms = [a for a in ARMS if (a != "http-coalesced" or spec.coalesced_interval > 1)
-            and (a != "http-frontend" or front is not None) and (a != LOADED or spec.loaded_control)]
+            and (a != "http-frontend" or front is not None) and (a != LOADED or spec.loaded_control)
+            and (a != REPLAY or spec.replay_control)]
     intervals = {"http": 1, "http-coalesced": spec.coalesced_interval, "http-frontend": 1}
     pins = {"http-frontend": (thread.native_id, front, os.sched_getaffinity(thread.native_id))} if front else {}
     records = []
@@ -392,10 +441,11 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
             warm = make_requests(cfg.workload, vocab, n, seed=c, tag=f"warm{c}")
             warm_rec = _http_run(loop, client, engine, warm, c)  # untimed: the client, server, request paths warm
             duty = warm_rec["client_cpu_s"] / warm_rec["wall_s"]  # the loaded arm's, until an http run measures it
+            marks = warm_rec["replay"]  # the replay arm's, likewise
             for rep in range(spec.repeats):
                 reqs = make_requests(cfg.workload, vocab, n, seed=1000 * (rep + 1) + c, tag=f"c{c}r{rep}")
                 for order, arm in enumerate(rotated(arms, rep + c)):
-                    def timed(arm=arm, reqs=reqs, c=c, duty=duty) -> dict:
+                    def timed(arm=arm, reqs=reqs, c=c, duty=duty, marks=marks) -> dict:
                         cpu0, threads0 = time.process_time(), thread_cpu_s(tids)
                         if arm in intervals:
                             rec = _http_run(loop, client, engine, reqs, c, intervals[arm], pins.get(arm))
@@ -403,8 +453,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                             if arm == LOADED:
                                 client.start_busy(duty)
                             try:
-                                rec = loop.run_exclusive(lambda _: drive(engine, reqs, c, "closed")
-                                                         | engine_gaps(list(engine.outputs.values()), c)).result()
+                                play = (lambda: replay(engine, reqs, c, **marks)) if arm == REPLAY else \
+                                    (lambda: drive(engine, reqs, c, "closed"))
+                                rec = loop.run_exclusive(lambda _: play() | engine_gaps(list(engine.outputs.values()),
+                                                                                        c)).result()
                             finally:
                                 load = client.stop_busy() if arm == LOADED else {}
                             rec |= {"ramp_s": 0.0, "engine_wall_s": rec["wall_s"], "tail_s": 0.0,
@@ -416,6 +468,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
 
                     # a run during which JAX compiled (a prefill shape the warm-up missed) is run again
                     rec, reruns = compile_free(timed, f"concurrency {c} repeat {rep + 1} {arm}")
+                    if arm == "http":  # the replay arm plays this run's arrivals next
+                        marks = rec["replay"]
                     rec = {k: rec[k] for k in ("requests", "output_tokens", "wall_s", "output_tok_per_s", "ttft",
                                                "tpot", "e2e", "server_cpu_s", *(f"cpu_{g}_s" for g in THREADS))} | {
                         k: rec.get(k, 0.0) for k in ("client_cpu_s", *SPLIT, BUILD, FILL, REFILL, *PARTS,
@@ -436,17 +490,17 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     ratios = {arm: {m: paired(records, arm, "in-process", m) for m in ("output_tok_per_s", "engine_tok_per_s",
                                                                        "ttft.p50", "tpot.p50", "e2e.p50")}
               for arm in arms[1:]}
-    over_loaded = {m: paired(records, "http", LOADED, m) for m in ("output_tok_per_s", "engine_tok_per_s")} \
-        if LOADED in arms else None
+    over = {key: {m: paired(records, "http", arm, m) for m in ("output_tok_per_s", "engine_tok_per_s")}
+            if arm in arms else None for arm, key in CONTROLS.items()}
     results = {"experiment": "http_load", "environment": env,
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),
                             "workload": to_container(cfg.workload), "repeats": spec.repeats,
                             "coalesced_interval": spec.coalesced_interval, "http_stack": http_stack(),
-                            "loaded_control": spec.loaded_control,
+                            "loaded_control": spec.loaded_control, "replay_control": spec.replay_control,
                             "cpus": None if cpus is None else {"client": sorted(cpus[0]), "server": sorted(cpus[1])},
                             "frontend_cpus": None if front is None else sorted(front)},
-               "records": records, "ratio_http_over_in_process": ratios, "ratio_http_over_loaded": over_loaded,
+               "records": records, "ratio_http_over_in_process": ratios, **over,
                "aggregate": aggregate(records, METRICS + ["server_cpu_s", *(f"cpu_{g}_s" for g in THREADS),
                                                         "client_cpu_s", "wall_s", *SPLIT, BUILD, FILL, REFILL,
                                                         *PARTS, "busy_duty"]
@@ -475,6 +529,11 @@ def headline(results: dict) -> list[str]:
                          f"[{r['min']:.3f}, {r['max']:.3f}] at concurrency {c}: what the client's CPU use alone costs "
                          "the engine here")
             continue
+        if arm == REPLAY:
+            lines.append(f"{arm} (the engine in-process, its requests arriving when the last http run's server "
+                         f"received them): {r['median']:.3f}x in-process [{r['min']:.3f}, {r['max']:.3f}] at "
+                         f"concurrency {c}: what the HTTP run's arrival pattern alone costs the engine")
+            continue
         verdict = "met" if r["median"] >= 0.9 else "NOT met"
         lines.append(f"{arm} throughput at concurrency {c}: {r['median']:.3f}x in-process (median of {r['n']} paired "
                      f"repeats, range {r['min']:.3f}..{r['max']:.3f}); overhead {(1 - r['median']) * 100:.1f}% -- goal "
@@ -490,13 +549,15 @@ def headline(results: dict) -> list[str]:
                          "(last finish to last "
                          f"stream end) {a['tail_s']['median'] * 1e3:.0f} ms per run (medians), of a "
                          f"{a['wall_s']['median']:.2f} s run")
-    loaded = (results.get("ratio_http_over_loaded") or {}).get("output_tok_per_s", {})
-    r = loaded.get(c) or loaded.get(str(c))
-    if r and r.get("median") is not None:
-        verdict = "met" if r["median"] >= 0.9 else "NOT met"
-        lines.append(f"http over {LOADED} at concurrency {c}: {r['median']:.3f}x (median of {r['n']} paired repeats, "
-                     f"range {r['min']:.3f}..{r['max']:.3f}): against a control whose client CPUs are as busy, the "
-                     f"overhead is {(1 - r['median']) * 100:.1f}% -- goal <= 10% against that control: {verdict}")
+    for arm, what in ((LOADED, "whose client CPUs are as busy"), (REPLAY, "whose requests arrive as the server "
+                                                                         "received them")):
+        over = (results.get(CONTROLS[arm]) or {}).get("output_tok_per_s", {})
+        r = over.get(c) or over.get(str(c))
+        if r and r.get("median") is not None:
+            verdict = "met" if r["median"] >= 0.9 else "NOT met"
+            lines.append(f"http over {arm} at concurrency {c}: {r['median']:.3f}x (median of {r['n']} paired repeats, "
+                         f"range {r['min']:.3f}..{r['max']:.3f}): against a control {what}, the overhead is "
+                         f"{(1 - r['median']) * 100:.1f}% -- goal <= 10% against that control: {verdict}")
     return lines
 
 
@@ -506,15 +567,26 @@ def _build_words(agg: dict, c: int) -> str:
     return f" (its first send to its {c}-th request built: {agg[BUILD]['median'] * 1e3:.0f} ms)"
 
 
+CONTROL_WORDS = {
+    LOADED: "whose client CPUs are kept as busy as the http arm's client kept them (parsing completion chunks into the "
+            "openai model, the duty cycle of the last http run: `busy_duty` in results.json)",
+    REPLAY: "whose requests arrive when the last http run's server received them (the first wave at its offsets from "
+            "the client's first send, each replacement that long after the finish it replaces: the way back to the "
+            "client, its next request and the way to the server's handler; :func:`replay`): what remains is the "
+            "server's own cost -- its CPU time, and its engine loop's inbox read between steps as in-process"}
+
+
 def _loaded_section(results: dict, points: list) -> list[str]:
-    over = results.get("ratio_http_over_loaded")
-    if not over:
-        return []
-    rows = [[c, *(rp.spread(over[m].get(c) or over[m].get(str(c))) for m in over)] for c in points]
-    return [f"## http / {LOADED} (paired per repeat): the HTTP overhead against an in-process run whose client CPUs "
-            "are kept as busy as the http arm's client kept them (parsing completion chunks into the openai model, the "
-            "duty cycle of the last http run: `busy_duty` in results.json)",
-            rp.markdown_table(["concurrency", *(f"{m} ratio" for m in over)], rows)]
+    out = []
+    for arm, key in CONTROLS.items():
+        over = results.get(key)
+        if not over:
+            continue
+        rows = [[c, *(rp.spread(over[m].get(c) or over[m].get(str(c))) for m in over)] for c in points]
+        out += [f"## http / {arm} (paired per repeat): the HTTP overhead against an in-process run "
+                f"{CONTROL_WORDS[arm]}",
+                rp.markdown_table(["concurrency", *(f"{m} ratio" for m in over)], rows)]
+    return out
 
 
 def _cpus_line(cpus: dict | None) -> str:

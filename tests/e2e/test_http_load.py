@@ -27,7 +27,7 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     usable = os.sched_getaffinity(0)
     front = max(usable)  # the http-frontend arm moves uvicorn's thread here for its runs
     split = len(usable) > 1  # the client on its own CPU and the loaded control need two
-    extra = [f"experiment.frontend_cpus=[{front}]"]
+    extra = [f"experiment.frontend_cpus=[{front}]", "experiment.replay_control=true"]
     if split:
         extra += [f"experiment.client_cpus=[{front}]", "experiment.loaded_control=true"]
     with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
@@ -37,13 +37,13 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     assert os.sched_getaffinity(0) == usable  # the pins were undone
     records = json.loads((tmp_path / "results.json").read_text())["records"]
     assert sorted(r["arm"] for r in records) == ["http", "http-coalesced", "http-frontend", "in-process",
-                                                 *(["in-process-loaded"] if split else [])]
+                                                 *(["in-process-loaded"] if split else []), "in-process-replay"]
     http_duty = next(r["client_cpu_s"] / r["wall_s"] for r in records if r["arm"] == "http")
     for r in records:
         if r["arm"] == "in-process-loaded":  # the client burned CPU at the duty of the last http run (the warm-up's
             assert 0 < r["busy_duty"] <= 1 and r["client_cpu_s"] > 0.2 * r["busy_duty"] * r["wall_s"], r
-        elif r["arm"] == "in-process":  # or the timed one's, whichever ran last); the quiet arm burned nothing
-            assert r["busy_duty"] == 0 and r["client_cpu_s"] == 0
+        elif r["arm"] in ("in-process", "in-process-replay"):  # or the timed one's, whichever ran last); the quiet
+            assert r["busy_duty"] == 0 and r["client_cpu_s"] == 0  # arms burned nothing
     assert http_duty > 0
     fills = {r["arm"]: r["fill_s"] for r in records}  # in-process the first batch is added in one loop; over HTTP
     assert 0 <= fills["in-process"] < 1e-3, fills  # each request comes in its own handler
@@ -95,6 +95,8 @@ def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     if split:
         assert any(line.startswith("http over in-process-loaded at concurrency 2:") for line in lines), lines
         assert "## http / in-process-loaded" in md
+    assert any(line.startswith("http over in-process-replay at concurrency 2:") for line in lines), lines
+    assert "## http / in-process-replay" in md
 
 
 def _stop_after(conn, seconds: float) -> None:
@@ -176,3 +178,24 @@ def test_refill_parts_pair_the_kth_finish_with_the_replacement_that_took_its_slo
     assert parts == pytest.approx({"refill_s": 2.25, "deliver_s": 0.375, "client_refill_s": 0.625, "transit_s": 0.75,
                                    "inbox_s": 0.5})
     assert http_load.refill_parts(4, finished, arrivals) == {"refill_s": 0.0}  # one wave: nothing was replaced
+
+
+def test_replay_adds_each_request_when_it_is_due():
+    """The in-process-replay arm's driver: the first wave at its offsets from the start, each replacement its delay
+    after the finish it replaces (not before; a step later at most), every request run to its end."""
+    from phaseserve.bench.workload import make_requests
+    from phaseserve.engine import Engine
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="experiment/http_load", overrides=OVERRIDES)
+    engine = Engine.from_hydra(cfg)
+    reqs = make_requests(cfg.workload, engine.cfg.vocab_size, 4, seed=0, tag="r")
+    first, later = [0.0, 0.15], [0.1, 0.2]
+    summary = http_load.replay(engine, reqs, 2, first, later)
+    outs = list(engine.outputs.values())
+    assert len(outs) == 4 and all(len(o.tokens) == 4 for o in outs) and summary["output_tokens"] == 16
+    arrivals = sorted(o.metrics.arrival - engine.metrics.start for o in outs)
+    finished = sorted(o.metrics.finished - engine.metrics.start for o in outs)
+    due = [*first, finished[0] + later[0], finished[1] + later[1]]
+    step = max(finished)  # a generous bound on one step: the whole run
+    assert all(d <= a < d + step for a, d in zip(arrivals, sorted(due), strict=True)), (arrivals, due)
