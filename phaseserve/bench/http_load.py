@@ -572,8 +572,8 @@ CONTROL_WORDS = {
             "openai model, the duty cycle of the last http run: `busy_duty` in results.json)",
     REPLAY: "whose requests arrive when the last http run's server received them (the first wave at its offsets from "
             "the client's first send, each replacement that long after the finish it replaces: the way back to the "
-            "client, its next request and the way to the server's handler; :func:`replay`): what remains is the "
-            "server's own cost -- its CPU time, and its engine loop's inbox read between steps as in-process"}
+            "client, its next request and the way to the server's handler, which include the server writing a "
+            "stream's last event and reading the next request): what remains is the rest of the server's cost"}
 
 
 def _loaded_section(results: dict, points: list) -> list[str]:
