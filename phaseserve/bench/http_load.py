@@ -28,7 +28,8 @@ groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn i
   loop saw in the last ``http`` run (:func:`replay`): the first wave's requests at the offsets from the client's first
   send at which the server received them, each replacement that long after the finish it replaces as the server
   received it then. ``ratio_http_over_replay`` is the ``http`` arm's throughput over it, paired per repeat: the
-  overhead that remains when the engine sees the same arrivals, i.e. the server's own cost;
+  overhead that remains when the engine sees the same arrivals (their delays include the server writing a stream's
+  last event and reading the next request, so this understates the server's share);
 - ``http-frontend`` (when ``experiment.frontend_cpus`` is set, e.g. ``[1]``): as ``http``, with uvicorn's thread
   moved to those CPUs for the run and back after (the engine loop and XLA's workers stay where they are): the HTTP
   frontend on a host core of its own, as on an accelerator server, where the HTTP layer's CPU time does not come

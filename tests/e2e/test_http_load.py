@@ -3,7 +3,9 @@ loopback port, the official ``openai`` client in its own process drives it besid
 request of every arm completes, each record says how many timed runs were repeated because JAX compiled inside
 them and splits the HTTP arm's wall time into the client's ramp, the engine's span and the tail (on the clock the
 two processes share), and the report and headline are written; ``experiment.client_cpus`` splits the CPUs and
-pins every thread; ``experiment.frontend_cpus`` adds the arm with uvicorn's thread moved, undone after."""
+pins every thread; ``experiment.frontend_cpus`` adds the arm with uvicorn's thread moved, undone after;
+``experiment.replay_control`` the in-process arm fed the last HTTP run's arrivals. Each run's refill (a freed slot
+until its replacement arrives) splits into parts that add up to it."""
 
 from __future__ import annotations
 
