@@ -314,11 +314,16 @@ def _http_run(loop: Any, client: Client, engine: Engine, reqs: list[Request], c:
         if pin is not None:
             os.sched_setaffinity(pin[0], pin[2])
     outputs = loop.run_exclusive(lambda _: list(engine.outputs.values())).result()
-    received, finished = sorted(o.metrics.received for o in outputs), sorted(o.metrics.finished for o in outputs)
-    marks = {"first": [t - rec["first_sent"] for t in received[:c]],
-             "later": [t - f for t, f in zip(received[c:], finished, strict=False)]}
     return rec | split_wall(rec, outputs) | engine_gaps(outputs, c, rec.pop("ends"), rec.pop("built")) | {
-        "replay": marks}
+        "replay": replay_marks(outputs, c, rec["first_sent"])}
+
+
+def replay_marks(outputs: list, c: int, first_sent: float) -> dict:
+    """What :func:`replay` plays from an HTTP run at concurrency ``c``: ``first``, the server's first ``c`` receipts
+    after the client's first send; ``later``, its ``(c + k)``-th receipt after the engine's ``k``-th finish."""
+    received, finished = sorted(o.metrics.received for o in outputs), sorted(o.metrics.finished for o in outputs)
+    return {"first": [t - first_sent for t in received[:c]],
+            "later": [t - f for t, f in zip(received[c:], finished, strict=False)]}
 
 
 def replay(engine: Engine, requests: list[Request], c: int, first: list[float], later: list[float]) -> dict:
