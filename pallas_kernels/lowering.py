@@ -42,8 +42,8 @@ def _a(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
-def _gqa(dtype, page_size: int) -> Case:
-    b, hkv, g, d, p, maxp = 8, 8, 8, 128, 1024, 64
+def _gqa(dtype, page_size: int, *, b: int = 8, hkv: int = 8, g: int = 8, d: int = 128, p: int = 1024,
+         maxp: int = 64) -> Case:
     qdt = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
     scaled = dtype == jnp.float8_e4m3fn
     args = (_a((b, hkv * g, d), qdt), _a((p, page_size, hkv, d), dtype), _a((p, page_size, hkv, d), dtype),
@@ -59,8 +59,8 @@ def _gqa(dtype, page_size: int) -> Case:
     return Case(f"paged_gqa {jnp.dtype(dtype).name} page{page_size}", build, args)
 
 
-def _mla(dtype, page_size: int) -> Case:
-    b, h, r, rope, p, maxp = 8, 16, 512, 64, 1024, 64
+def _mla(dtype, page_size: int, *, b: int = 8, h: int = 16, r: int = 512, rope: int = 64, p: int = 1024,
+         maxp: int = 64) -> Case:
     qdt = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
     args = (_a((b, h, r), qdt), _a((b, h, rope), qdt), _a((p, page_size, r + rope), dtype), _a((b, maxp), jnp.int32),
             _a((b,), jnp.int32))
@@ -75,9 +75,9 @@ def _mla(dtype, page_size: int) -> Case:
     return Case(f"paged_mla {jnp.dtype(dtype).name} page{page_size}", build, args)
 
 
-def _sparse_mla(dtype, k: int) -> Case:
+def _sparse_mla(dtype, k: int, *, b: int = 8, h: int = 16, r: int = 512, rope: int = 64, p: int = 1024, s: int = 64,
+                maxp: int = 64) -> Case:
     """GLM-5 DSA decode: 64 heads (8-way TP of 64 -> 8 local; 16 here), index_topk k selected tokens."""
-    b, h, r, rope, p, s, maxp = 8, 16, 512, 64, 1024, 64, 64
     qdt = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
     args = (_a((b, h, r), qdt), _a((b, h, rope), qdt), _a((p, s, r + rope), dtype), _a((b, maxp), jnp.int32),
             _a((b, k), jnp.int32), _a((b,), jnp.int32))
@@ -133,8 +133,7 @@ def _fp8(m: int, k: int, n: int, block, act_quant: bool, experts: int = 0) -> Ca
                 ("cuda",) if act_quant else ("tpu", "cuda"))
 
 
-def _prefill(dtype, t: int, heads: int, kv_heads: int, dk: int, dv: int) -> Case:
-    b = 2
+def _prefill(dtype, t: int, heads: int, kv_heads: int, dk: int, dv: int, *, b: int = 2) -> Case:
     args = (_a((b, t, heads, dk), dtype), _a((b, t, kv_heads, dk), dtype), _a((b, t, kv_heads, dv), dtype),
             _a((b, t), jnp.int32), _a((b,), jnp.int32))
 

@@ -92,6 +92,29 @@ def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
     return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
 
 
+def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, matmul_impl: str = "auto",
+                   attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
+    """The prefill worker's jitted chunk step on ``mesh`` (pool donated): ``(params, pool, ChunkBatch) -> (first
+    i32[B] replicated, pool')``. Built from shardings only, so it also lowers for abstract arguments on a deviceless
+    mesh (``jax.experimental.topologies``; ``phaseserve.bench.tpu_compile``)."""
+    return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b), cfg, mesh, phase="prefill",
+                                matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
+                   out_shardings=(replicated(mesh), pool_sharding), donate_argnums=(1,))
+
+
+def decode_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, hooks: Any = None,
+                    matmul_impl: str = "auto", attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
+    """The decode worker's jitted step on ``mesh`` (pool donated): ``(params, pool, DecodeBatch, ok bool[B] | None)
+    -> (next i32[B], pool', finite bool[B] | None)``; ``hooks``: the integrity tracker (its hooks are static
+    methods, so the class :class:`~phaseserve.cache.integrity.IntegrityTracker` itself serves for tracing) or None.
+    Built from shardings only, like :func:`chunk_step_jit`."""
+    rep = replicated(mesh)
+    return jax.jit(sharded_step(
+        lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl), cfg, mesh,
+        phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
+        out_shardings=(rep, pool_sharding, rep), donate_argnums=(1,))
+
+
 class PrefillWorker:
     """Prefill weights and the prefill page pool (prefill KV dtype) on the prefill mesh, with the jitted chunk step
     and the page export of the handoff. The pool holds the KV of the prompts in progress only: a request gets its
@@ -110,9 +133,8 @@ class PrefillWorker:
         self.tables = PageTables(self.allocator, max_pages_per_seq)
         rep = replicated(mesh)
         self.kernels: collections.Counter = collections.Counter()  # kernel provenance (kernel_mesh.provenance_rows)
-        self._chunk = jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b), cfg, mesh, phase="prefill",
-                                           matmul_impl=matmul_impl, attn_impl=attn_impl, log=self.kernels),
-                              out_shardings=(rep, self._pool_sharding), donate_argnums=(1,))
+        self._chunk = chunk_step_jit(cfg, mesh, self._pool_sharding, matmul_impl=matmul_impl, attn_impl=attn_impl,
+                                     log=self.kernels)
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self.sharding = rep
@@ -209,10 +231,8 @@ class DecodeWorker:
         hooks = self.tracker if integrity else None
         rep = replicated(mesh)
         self.kernels: collections.Counter = collections.Counter()  # kernel provenance (kernel_mesh.provenance_rows)
-        self._decode = jax.jit(sharded_step(
-            lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl), cfg, mesh,
-            phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=self.kernels),
-            out_shardings=(rep, self._pool_sharding, rep), donate_argnums=(1,))
+        self._decode = decode_step_jit(cfg, mesh, self._pool_sharding, hooks=hooks, matmul_impl=matmul_impl,
+                                       attn_impl=attn_impl, log=self.kernels)
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))

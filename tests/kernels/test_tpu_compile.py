@@ -1,0 +1,102 @@
+"""Every Pallas kernel compiles with the real TPU compiler (XLA:TPU + Mosaic, from libtpu) for one deviceless chip of
+each generation (v5e, v6e, v5p), at small shapes; the engine's decode and prefill steps of a tiny model compile on a
+deviceless 4-chip slice. A kernel that stops compiling for TPU fails here (``jax.export`` does not run the compiler:
+``tests/kernels/test_lowering.py`` cannot see VMEM overflows or Mosaic layout refusals). The serving-shape kernels
+and the real deployments' steps are ``experiments/tpu_compile.py`` (minutes; ``benchmarks/tpu_compile/``).
+
+libtpu is in the ``test`` extra; where it has no wheel (anything but Linux x86_64 / aarch64) the file is skipped as a
+whole, and where it should have been installed a missing libtpu is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import lowering, tpu_compile
+
+if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+    pytest.skip("libtpu ships wheels for Linux x86_64 / aarch64 only", allow_module_level=True)
+
+CASES = tpu_compile.small_cases()
+PAIRS = [(gen, c) for gen in tpu_compile.GENERATIONS for c in CASES]
+
+
+def test_libtpu_installed():
+    assert tpu_compile.libtpu_version() is not None, "libtpu missing: pip install -e '.[test]' (jax[tpu])"
+
+
+def test_every_kernel_is_covered():
+    kinds = {c.name.split()[0] for c in CASES}
+    assert kinds == {"paged_gqa", "paged_mla", "sparse_mla", "int4_matmul", "int4_grouped", "fp8_matmul",
+                     "fp8_grouped", "flash_prefill"}
+    dtypes = {c.name.split()[1] for c in CASES if c.name.startswith(("paged", "sparse"))}
+    assert dtypes == {"bfloat16", "float8_e4m3fn"}  # BF16 and FP8 pages
+
+
+@pytest.mark.parametrize("gen,case", PAIRS, ids=[f"{g}-{c.name}".replace(" ", "_") for g, c in PAIRS])
+def test_kernel_compiles_for_tpu(gen, case):
+    res = tpu_compile.compile_case(case, gen)
+    assert res.ok, res.error
+    assert res.mosaic_calls >= 1
+    assert 0 <= res.vmem_used_bytes <= res.vmem_limit_bytes
+    assert res.device_kind.startswith("TPU v")
+    assert res.blocks not in ("none", "?")
+
+
+def _copy_case(block: tuple[int, int], shape: tuple[int, int], interpret: bool = False) -> lowering.Case:
+    """A Pallas kernel doubling an f32 array of ``shape`` in blocks of ``block`` (one TPU body, or interpret mode)."""
+    def build(target):
+        def f(x):
+            def kernel(x_ref, o_ref):
+                o_ref[...] = x_ref[...] * 2.0
+
+            spec = pl.BlockSpec(block, lambda i: (i, 0))
+            return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  grid=(shape[0] // block[0],), in_specs=[spec], out_specs=spec, interpret=interpret,
+                                  compiler_params=pltpu.CompilerParams(vmem_limit_bytes=48 << 20))(x)
+        return f
+
+    return lowering.Case(f"copy block{block}", build, (lowering._a(shape, "float32"),))
+
+
+def test_vmem_overflow_fails_where_interpret_mode_passes():
+    """One 64 MiB block (in and out, double-buffered: 256 MiB) runs in interpret mode; the TPU compiler refuses it."""
+    block = shape = (2048, 8192)
+    res = tpu_compile.compile_case(_copy_case(block, shape), "v5e")
+    assert not res.ok
+    assert "vmem" in res.error.lower()
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+    out = jax.jit(_copy_case(block, shape, interpret=True).build("tpu"))(x)
+    assert bool(jnp.all(out == 2 * x))
+    assert tpu_compile.compile_case(_copy_case((8, 128), (16, 128)), "v5e").ok  # the same kernel, legal blocks
+
+
+def test_plain_xla_is_not_a_kernel():
+    case = lowering.Case("plain_xla", lambda target: (lambda x: x + 1), (lowering._a((8, 128), "float32"),))
+    res = tpu_compile.compile_case(case, "v6e")
+    assert not res.ok and "no tpu_custom_call" in res.error
+
+
+def test_kernel_vmem_parses_the_backend_config():
+    hlo = ('%k = f32[8] custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"scoped_memory_'
+           'configs":[{"memory_space":"1","offset":"0","size":"50331648"}],"custom_call_config":{},"used_scoped_'
+           'memory_configs":[{"memory_space":"1","offset":"0","size":"544768"}]}\n%y = f32[8] add(%k, %k)')
+    assert tpu_compile.kernel_vmem(hlo) == [(544768, 50331648)]
+    assert tpu_compile.kernel_vmem("%y = f32[8] add(%k, %k)") == []
+
+
+def test_command_reports_failures(monkeypatch, capsys):
+    plain = lowering.Case("plain_xla", lambda target: (lambda x: x + 1), (lowering._a((8, 128), "float32"),))
+    monkeypatch.setattr(tpu_compile, "small_cases", lambda: [CASES[0], plain])
+    assert tpu_compile.main(["--small", "--generations", "v5e"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("v5e") and CASES[0].name in line and " ok " in line for line in lines)
+    assert any("plain_xla" in line and "FAIL" in line for line in lines)
+    assert lines[-1] == "1 compile(s) failed"
