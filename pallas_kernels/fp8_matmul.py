@@ -46,7 +46,15 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import moe_tiles, tuning
-from pallas_kernels.common import UnsupportedShapeError, cdiv, check_gpu_fp8, compute_dtype, dispatch_kernel, dot_nn
+from pallas_kernels.common import (
+    UnsupportedShapeError,
+    cdiv,
+    check_gpu_fp8,
+    compute_dtype,
+    dispatch_kernel,
+    dot_nn,
+    dot_precision,
+)
 
 E4M3_MAX = 448.0
 ACT_BLOCK = 128  # columns per dynamic activation scale (1 x 128 per token)
@@ -335,8 +343,8 @@ def fp8_grouped_matmul_reference(x: jax.Array, w: Fp8Weight, group_sizes: jax.Ar
     if act_quant:
         q, s = quantize_activations_fp8(x)
         x = (q.astype(jnp.float32) * jnp.repeat(s, ACT_BLOCK, axis=-1)).astype(x.dtype)
-    out = jax.lax.ragged_dot(x, dequantize_fp8(w, x.dtype), group_sizes, preferred_element_type=jnp.float32,
-                             precision=jax.lax.Precision.HIGHEST)
+    wd = dequantize_fp8(w, x.dtype)  # HIGHEST for float32 only: XLA:TPU's ragged dot refuses BF16 at fp32 precision
+    out = jax.lax.ragged_dot(x, wd, group_sizes, preferred_element_type=jnp.float32, precision=dot_precision(x, wd))
     return out.astype(x.dtype)
 
 

@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import moe_tiles, tuning
-from pallas_kernels.common import UnsupportedShapeError, cdiv, compute_dtype, dispatch_kernel, dot_nn
+from pallas_kernels.common import UnsupportedShapeError, cdiv, compute_dtype, dispatch_kernel, dot_nn, dot_precision
 
 
 @struct.dataclass
@@ -111,9 +111,10 @@ def int4_matmul_reference(x: jax.Array, w: Int4Weight) -> jax.Array:
 
 
 def int4_grouped_matmul_reference(x: jax.Array, w: Int4Weight, group_sizes: jax.Array) -> jax.Array:
-    """Ragged: x [M, K] sorted by expert, w [E, K, N], group_sizes i32[E] -> [M, N]."""
-    out = jax.lax.ragged_dot(x, dequantize_int4(w, x.dtype), group_sizes, preferred_element_type=jnp.float32,
-                             precision=jax.lax.Precision.HIGHEST)
+    """Ragged: x [M, K] sorted by expert, w [E, K, N], group_sizes i32[E] -> [M, N]. HIGHEST precision only for
+    float32 operands: XLA:TPU's ragged dot (a Mosaic kernel) refuses BF16 operands at fp32 contract precision."""
+    wd = dequantize_int4(w, x.dtype)
+    out = jax.lax.ragged_dot(x, wd, group_sizes, preferred_element_type=jnp.float32, precision=dot_precision(x, wd))
     return out.astype(x.dtype)
 
 
