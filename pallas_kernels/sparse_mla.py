@@ -276,6 +276,8 @@ def sparse_mla_decode_attention(
     def build(tgt, interp):
         k = rows.shape[1]
         bk = MAX_BLOCK_K if k > MAX_BLOCK_K else max(32, next_pow2(k))
+        if tgt == "gpu" and rows.dtype.itemsize >= 4:  # f32 rows: 128 x 576 x 4 B overflow an H100's 227 KiB of
+            bk = min(bk, 64)  # shared memory (a deviceless compile for H100 refused it; docs/tpu_compile.md)
         kp = -(-k // bk) * bk
         pad = ((0, 0), (0, kp - k))
         x = jnp.pad(rows, pad + ((0, 0),))
