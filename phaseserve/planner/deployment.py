@@ -76,6 +76,35 @@ def _reports(model: str, policy_text: str) -> tuple[ModelConfig, SizeReport, Siz
 
 
 
+@lru_cache(maxsize=64)
+def engine_weight_bytes(cfg: ModelConfig, policy_text: str, tp: int, ep: int) -> float:
+    """Bytes per device of the serving weights (no MTP) on an ``(ep, tp)`` mesh as the engine places them
+    (``phaseserve.sharding.param_shardings``: each stored array's spec from ``kernel_mesh.weight_spec``), counted
+    on an abstract mesh: no devices, no arrays. Unpadded (TPU tiled layouts add a little: benchmarks/tpu_compile)."""
+    import jax
+    from jax.sharding import AbstractMesh, PartitionSpec
+
+    from phaseserve.kernel_mesh import component_specs, weight_spec
+    from phaseserve.model.params import logical_axes
+    from phaseserve.quant.quantize import abstract_quantized, shape_dtype_tree
+
+    params = shape_dtype_tree(abstract_quantized(cfg, resolve_policy(policy_text)))
+    mesh = AbstractMesh((ep, tp), ("ep", "tp"))
+    total = 0.0
+
+    def one(axes: tuple, w: Any) -> None:
+        nonlocal total
+        specs = component_specs(w, weight_spec(axes, w, mesh))
+        arrays = jax.tree.leaves(w)
+        spec_list = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        for arr, spec in zip(arrays, spec_list, strict=True):
+            split = math.prod(mesh.shape[ax] for ax in spec if ax is not None)
+            total += math.prod(arr.shape) * np.dtype(arr.dtype).itemsize / split
+
+    jax.tree.map(one, logical_axes(cfg), params, is_leaf=lambda x: isinstance(x, tuple))
+    return total
+
+
 class Deployment:
     """One serving deployment: a model preset in one weight representation and KV dtype on ``num_gpus`` devices.
 
@@ -96,6 +125,8 @@ class Deployment:
             raise PlannerError(f"num_gpus must be >= 1, got {num_gpus}")
         if not 0 < a.hbm_utilization <= 1 or a.reserve_gib < 0 or a.page_size < 1:
             raise PlannerError(f"bad memory assumptions: {a}")
+        if a.weight_layout not in ("even", "engine"):
+            raise PlannerError(f"weight_layout must be 'even' or 'engine', got {a.weight_layout!r}")
         self.num_gpus = int(num_gpus)
         g = self.gpus_per_replica = int(a.gpus_per_replica or num_gpus)
         t = self.attn_tp = int(a.attn_tp or g)
@@ -109,6 +140,9 @@ class Deployment:
         loaded = self.checkpoint if a.load_mtp else self.serving
         experts = loaded.bytes_of("routed_experts")
         self.weight_bytes_per_device = experts / g + (loaded.total_bytes - experts) / t
+        if a.weight_layout == "engine":  # the serving weights as phaseserve places them; MTP layers split evenly
+            mtp = loaded.total_bytes - self.serving.total_bytes
+            self.weight_bytes_per_device = engine_weight_bytes(self.cfg, self.policy.describe(), t, g // t) + mtp / t
         # ---- KV
         self.latent_bytes_per_token = paged.kv_bytes_per_token(self.cfg, self.kv, include_indexer=False)
         self.indexer_bytes_per_token = (paged.indexer_bytes_per_token(self.cfg, self.indexer_dtype)

@@ -80,6 +80,11 @@ class Assumptions:
     #   Routed experts are always split over the whole replica (EP or TP: same bytes per device); the rest is
     #   split over attn_tp ranks and replicated over gpus_per_replica // attn_tp attention-data-parallel groups.
     mla_latent_replicated: bool = True  # MLA: every TP rank holds the whole latent of every token (as vLLM/SGLang)
+    weight_layout: str = "even"  # "even": every non-expert weight split over attn_tp (vLLM's placement, which the
+    #   published figures are checked with); "engine": phaseserve's own placement (the logical-axis rules of
+    #   phaseserve.kernel_mesh: embeddings, lm_head, the MLA down-projections, norms and routers replicated, a
+    #   dimension split only where every stored array allows it), checked against TPU compiles
+    #   (benchmarks/tpu_compile)
     include_indexer: bool = True  # cache the DSA indexer keys of GLM-5-style models
     indexer_dtype: str | None = None  # dtype of the indexer keys; None: the KV dtype
     load_mtp: bool = True  # weights in memory include the checkpoint's MTP layers (as shipped; used for spec decode)
