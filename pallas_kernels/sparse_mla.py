@@ -61,10 +61,14 @@ def _take_rows(flat: jax.Array, rows: jax.Array) -> jax.Array:
     sub-32-bit pool on the CPU is gathered on its bits (XLA:CPU would convert the whole pool)."""
     if flat.dtype in RAW_BITS:
         return jax.lax.bitcast_convert_type(flat[rows], RAW_BITS[flat.dtype])
-    if flat.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
+    if flat.dtype.itemsize >= 4:
         return flat[rows]
     bits = jnp.dtype(f"uint{8 * flat.dtype.itemsize}")
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(flat, bits)[rows], flat.dtype)
+    # chosen per lowering platform, not by jax.default_backend(): a CPU process compiling for TPU (deviceless,
+    # pallas_kernels.tpu_compile) got the CPU branch, a pool-sized bitcast copy per layer on the TPU
+    return jax.lax.platform_dependent(
+        cpu=lambda: jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(flat, bits)[rows], flat.dtype),
+        default=lambda: flat[rows])
 
 
 def gather_selected(latent_pages: jax.Array, scales: jax.Array | None, page_table: jax.Array, indices: jax.Array,

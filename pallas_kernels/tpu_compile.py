@@ -88,23 +88,26 @@ def chip(generation: str) -> jax.Device:
 
 
 def kernel_vmem(hlo_text: str) -> list[tuple[int, int]]:
-    """(VMEM used, VMEM limit) in bytes of every Mosaic custom call of a compiled module's HLO text."""
+    """(VMEM used, VMEM limit) in bytes of every Mosaic custom call of a compiled module's HLO text.
+
+    The call's scoped VMEM region starts at ``offset`` (XLA may keep whole arrays resident in VMEM below it, e.g.
+    80 MiB on v5e) and is ``size`` long (the kernel's ``vmem_limit_bytes``); the compiler reports the high-water
+    mark from 0, so the kernel's own use is that mark minus the region's offset."""
     out = []
     for line in hlo_text.splitlines():
         if 'custom_call_target="tpu_custom_call"' not in line:
             continue
-        used = _scoped(line, "used_scoped_memory_configs")
-        limit = _scoped(line, "scoped_memory_configs")
-        out.append((used, limit))
+        offset, limit = _scoped(line, "scoped_memory_configs")
+        used_offset, used = _scoped(line, "used_scoped_memory_configs")
+        out.append((max(used_offset + used - offset, 0), limit))
     return out
 
 
-def _scoped(line: str, key: str) -> int:
+def _scoped(line: str, key: str) -> tuple[int, int]:
+    """(offset, size) of the VMEM entry of a backend-config scoped memory list."""
     m = re.search(rf'"{key}":\[(.*?)\]', line)
-    if not m:
-        return 0
-    sizes = re.findall(rf'"memory_space":"{VMEM_SPACE}","offset":"\d+","size":"(\d+)"', m.group(1))
-    return sum(int(x) for x in sizes)
+    hit = m and re.search(rf'"memory_space":"{VMEM_SPACE}","offset":"(\d+)","size":"(\d+)"', m.group(1))
+    return (int(hit.group(1)), int(hit.group(2))) if hit else (0, 0)
 
 
 def blocks(case: lowering.Case) -> tuple[str, int | None]:

@@ -89,6 +89,9 @@ def test_kernel_vmem_parses_the_backend_config():
            'configs":[{"memory_space":"1","offset":"0","size":"50331648"}],"custom_call_config":{},"used_scoped_'
            'memory_configs":[{"memory_space":"1","offset":"0","size":"544768"}]}\n%y = f32[8] add(%k, %k)')
     assert tpu_compile.kernel_vmem(hlo) == [(544768, 50331648)]
+    below = hlo.replace('"offset":"0","size":"50331648"', '"offset":"83886080","size":"50331648"').replace(
+        '"size":"544768"', '"size":"83968000"')  # 80 MiB of XLA-resident arrays under the kernel's region (v5e)
+    assert tpu_compile.kernel_vmem(below) == [(81920, 50331648)]
     assert tpu_compile.kernel_vmem("%y = f32[8] add(%k, %k)") == []
 
 
