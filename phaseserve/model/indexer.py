@@ -12,6 +12,13 @@ than ``index_topk``, which is exactly dense attention). As transformers' ``GlmMo
 RoPE is interleaved on the first ``qk_rope_head_dim`` dims (the rest pass through). A ``"shared"`` layer of
 ``cfg.indexer_types`` reuses the previous layer's selection instead of running its own indexer.
 
+**Ties.** A key whose ReLU is zero in every indexer head scores exactly 0 (with ``Hi`` heads about 2^-Hi of the keys
+when queries and keys are unrelated: common with few heads), so several keys can tie at the k-th score. Among equal
+scores the earlier token is selected (``lax.top_k`` is documented to prefer the lower index), and -0.0 and +0.0 are
+one score. Prefill, chunked prefill and decode all select this way. transformers selects with ``torch.topk``, whose
+order among equal values is unspecified (on the CPU neither the first nor the last of the tied keys in general), so
+on tied inputs its own output is not determined by the model; the parity tests give its ``topk`` this same order.
+
 Prefill (:func:`sparse_prefill`) walks query blocks of :data:`QUERY_BLOCK` rows: per block it scores the block
 against every key, takes the top-k and attends over the gathered latents, so memory is
 ``O(block x (T + index_topk))`` per layer plus the ``[B, T, index_topk]`` selection itself, never ``T x T``.
@@ -89,10 +96,12 @@ def visible(keys: jax.Array, q_positions: jax.Array, lengths: jax.Array | None) 
 def select(scores: jax.Array, q_positions: jax.Array, lengths: jax.Array | None, topk: int) -> jax.Array:
     """scores f32[B, T, S], q_positions i32[B, T], lengths i32[B] | None -> key indices i32[B, T, min(topk, S)].
 
-    The visible keys with the highest scores; a query with fewer visible keys than ``topk`` gets all of them,
-    padded with invisible ones that :func:`visible` masks out (as transformers' masked top-k)."""
+    The visible keys with the highest scores, the earlier key first among equal scores (module docstring: ties); a
+    query with fewer visible keys than ``topk`` gets all of them, padded with invisible ones that :func:`visible`
+    masks out (as transformers' masked top-k)."""
     s = scores.shape[-1]
     keys = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), scores.shape)
+    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> +0.0: top_k orders -0.0 below +0.0 (not a tie otherwise)
     masked = jnp.where(visible(keys, q_positions, lengths), scores, -jnp.inf)
     return jax.lax.top_k(masked, min(topk, s))[1].astype(jnp.int32)
 

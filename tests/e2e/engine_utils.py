@@ -7,7 +7,7 @@ import torch
 
 import phaseserve as ps
 from phaseserve.engine import Request
-from tests.parity.hf_models import build
+from tests.parity.hf_models import build, dsa_topk
 
 F32 = ps.QuantConfig(prefill_weights="float32", decode_weights="float32", kv_dtype="float32",
                      prefill_kv_dtype="float32")
@@ -38,9 +38,11 @@ def random_requests(vocab: int, n: int, seed: int = 0, min_len: int = 1, max_len
 
 
 def hf_greedy(model, req: Request) -> list[int]:
-    """transformers' own ``generate`` (greedy, no eos) for one request."""
+    """transformers' own ``generate`` (greedy, no eos) for one request; a GLM-5 model's DSA indexers take the
+    earliest of exactly tied keys, phaseserve's order (``torch.topk`` leaves it unspecified:
+    ``tests.parity.test_dsa_parity``)."""
     ids = torch.tensor([req.prompt])
-    with torch.no_grad():
+    with torch.no_grad(), dsa_topk():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(req.prompt):].tolist()

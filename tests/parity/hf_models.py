@@ -6,6 +6,7 @@ so that no weight sits at its trivial initial value (norms at one, biases at zer
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -80,3 +81,39 @@ def build(variant: str | T.PretrainedConfig, directory: Path, seed: int = 0, **k
     randomize_(model, seed)
     model.save_pretrained(directory)
     return model
+
+
+@contextlib.contextmanager
+def dsa_topk(tie_order: bool = True):
+    """Within the block, every top-k that transformers' GLM-5 indexers take (``GlmMoeDsaIndexer.forward``'s
+    ``Tensor.topk``) is recorded as ``(index scores f32[B, T, S], indices i64[B, T, k])`` in the yielded list, and with
+    ``tie_order`` it returns the earliest keys among equal scores, phaseserve's order (``phaseserve.model.indexer``,
+    ties), instead of ``torch.topk``'s unspecified one. Other top-k calls (the MoE router's) are left alone."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    calls, depth = [], [0]
+    orig_topk, orig_forward = torch.Tensor.topk, m.GlmMoeDsaIndexer.forward
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        if not depth[0]:
+            return orig_topk(self, k, dim, largest, sorted)
+        if tie_order:  # a stable descending sort: equal scores keep their key order (and -0.0 == +0.0)
+            values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+            out = torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+        else:
+            out = orig_topk(self, k, dim, largest, sorted)
+        calls.append((self.numpy().copy(), out.indices.numpy().copy()))
+        return out
+
+    def forward(self, *a, **kw):
+        depth[0] += 1
+        try:
+            return orig_forward(self, *a, **kw)
+        finally:
+            depth[0] -= 1
+
+    torch.Tensor.topk, m.GlmMoeDsaIndexer.forward = topk, forward
+    try:
+        yield calls
+    finally:
+        torch.Tensor.topk, m.GlmMoeDsaIndexer.forward = orig_topk, orig_forward
