@@ -42,6 +42,17 @@ DTYPES = {
     "uint8": np.uint8,
     "uint32": np.uint32,
 }
+# The names each enum-like field accepts (checked when its dataclass is built; tests/unit/test_config_choices.py).
+ROPE_KINDS = ("default", "yarn", "llama3", "linear")
+ATTENTION_KINDS = ("gqa", "mla")
+SCORING_FUNCS = ("softmax", "sigmoid")
+INDEXER_TYPES = ("full", "shared")
+KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")  # what a decode page pool can hold (after alias resolution)
+PREFILL_KV_DTYPES = ("float32", "bfloat16")  # what prefill computes KV in
+ADMISSIONS = ("reserve", "on_demand")
+PREEMPTIONS = ("recompute", "swap")
+SERVE_MODES = ("disaggregated", "colocated")
+
 # Short names accepted wherever a dtype string is (configs, CLI overrides).
 DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn",
                  "e4m3": "float8_e4m3fn"}
@@ -90,6 +101,9 @@ class RopeConfig:
     high_freq_factor: float = 4.0  # llama3
     partial_rotary_factor: float = 1.0  # fraction of the head dim that is rotated (GLM-4.x: 0.5)
     interleave: bool = False  # rotate (x0,x1),(x2,x3).. pairs (DeepSeek MLA) instead of halves
+
+    def __post_init__(self):
+        _choice("RopeConfig.kind", self.kind, ROPE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -140,8 +154,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.attention not in ("gqa", "mla"):
-            raise ConfigError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        _choice("ModelConfig.attention", self.attention, ATTENTION_KINDS)
         if self.num_heads % max(self.num_kv_heads, 1):
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not self.moe_layers:
@@ -150,13 +163,12 @@ class ModelConfig:
             raise ConfigError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         if self.num_experts and self.num_experts % self.n_group:
             raise ConfigError(f"num_experts={self.num_experts} not divisible by n_group={self.n_group}")
-        if self.scoring_func not in ("softmax", "sigmoid"):
-            raise ConfigError(f"scoring_func must be 'softmax' or 'sigmoid', got {self.scoring_func!r}")
+        _choice("ModelConfig.scoring_func", self.scoring_func, SCORING_FUNCS)
         if self.index_topk is not None:
             if not self.indexer_types:
                 object.__setattr__(self, "indexer_types", ("full",) * self.num_layers)
             types = self.indexer_types
-            if len(types) != self.num_layers or set(types) - {"full", "shared"} or types[0] != "full":
+            if len(types) != self.num_layers or set(types) - set(INDEXER_TYPES) or types[0] != "full":
                 raise ConfigError(f"indexer_types must give 'full' or 'shared' for each of the {self.num_layers} "
                                   f"layers, the first 'full'; got {list(types)}")
 
@@ -229,9 +241,9 @@ class QuantConfig:
         for name in ("prefill_weights", "decode_weights"):
             _check(isinstance(getattr(self, name), str) and getattr(self, name) != "",
                    f"QuantConfig.{name} must be a non-empty str, got {getattr(self, name)!r}")
-        for name in ("kv_dtype", "prefill_kv_dtype"):
+        for name, choices in (("kv_dtype", KV_DTYPES), ("prefill_kv_dtype", PREFILL_KV_DTYPES)):
             _check(isinstance(getattr(self, name), str), f"QuantConfig.{name} must be a dtype name (str)")
-            canonical_dtype(getattr(self, name))
+            _choice(f"QuantConfig.{name}", DTYPE_ALIASES.get(getattr(self, name), getattr(self, name)), choices)
         _positive_int("QuantConfig.int4_group_size", self.int4_group_size)
         if self.fp8_block is not None:
             _check(len(tuple(self.fp8_block)) == 2, f"QuantConfig.fp8_block must be (rows, cols), got {self.fp8_block}")
@@ -242,6 +254,10 @@ class QuantConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
 
 
 def _positive_int(name: str, v: Any, lo: int = 1) -> None:
@@ -278,10 +294,8 @@ class CacheConfig:
         if self.max_pages_per_seq is not None:
             _positive_int("CacheConfig.max_pages_per_seq", self.max_pages_per_seq)
         _check(isinstance(self.integrity, bool), f"CacheConfig.integrity must be a bool, got {self.integrity!r}")
-        _check(self.admission in ("reserve", "on_demand"),
-               f"CacheConfig.admission must be 'reserve' or 'on_demand', got {self.admission!r}")
-        _check(self.preemption in ("recompute", "swap"),
-               f"CacheConfig.preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        _choice("CacheConfig.admission", self.admission, ADMISSIONS)
+        _choice("CacheConfig.preemption", self.preemption, PREEMPTIONS)
         _check(isinstance(self.memory_fraction, float | int) and 0 < self.memory_fraction <= 1,
                f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
 
@@ -331,8 +345,7 @@ class ServeConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _check(self.mode in ("disaggregated", "colocated"),
-               f"ServeConfig.mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        _choice("ServeConfig.mode", self.mode, SERVE_MODES)
         for name, typ in (("quant", QuantConfig), ("cache", CacheConfig), ("mesh", MeshConfig)):
             _check(isinstance(getattr(self, name), typ), f"ServeConfig.{name} must be a {typ.__name__}")
         _positive_int("ServeConfig.max_batch", self.max_batch)
@@ -408,7 +421,7 @@ def _rope(hf: dict, family: str) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "yarn", "llama3", "linear"):
+    if kind not in ROPE_KINDS:
         raise ConfigError(f"unsupported rope type {kind!r}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     interleave = family in ("deepseek_v3", "glm_moe_dsa") and hf.get("rope_interleave", True)
