@@ -42,6 +42,12 @@ Conventions and defaults:
 Refused (:class:`UnsupportedFormatError`, naming the scheme or tensor and the feature): asymmetric / zero-point
 INT4 (``weight_zero_point``), W8A16 (8-bit int weights), W4A8 / W8A8-int (quantized activations), static FP8
 activation scales (``input_scale``), F8_E5M2 weights, other ``quant_method``s and compressed-tensors formats.
+
+Refused as corrupt (:class:`~phaseserve.model.loader.CorruptTensorError`, naming the tensor and its first bad
+element): a scale (FP8 or INT4) that is not finite and positive (NaN, Inf, negative or zero: the weight would
+dequantize to NaN, Inf, zero or flipped signs), and an F8_E4M3 weight holding a NaN byte (``0x7f`` / ``0xff``).
+A ``quantization_config`` whose block or group sizes are not positive integers is a
+:class:`~phaseserve.model.loader.CheckpointConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import numpy as np
 
 from pallas_kernels.fp8_matmul import Fp8Weight
 from pallas_kernels.int4_matmul import Int4Weight, pack_int4, unpack_int4
-from phaseserve.model.loader import CheckpointError, ShapeMismatchError
+from phaseserve.model.loader import CheckpointConfigError, CheckpointError, CorruptTensorError, ShapeMismatchError
 
 DEFAULT_FP8_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default when weight_block_size is absent
 
@@ -75,13 +81,34 @@ class Scheme:
 
 def _describe(w: dict) -> str:
     kind = f"{w.get('type', 'int')}{w.get('num_bits')}"
-    extra = f" {w['group_size']}" if w.get("strategy") == "group" else ""
+    extra = f" {w.get('group_size')}" if w.get("strategy") == "group" else ""
     sym = "" if w.get("symmetric", True) else " asymmetric"
     return f"{kind} {w.get('strategy')}{extra}{sym}"
 
 
+def _sizes(field: str, value, n: int) -> tuple[int, ...]:
+    """``n`` positive integers (a list of two, or one number) from a ``quantization_config`` field, or a
+    :class:`CheckpointConfigError` naming it."""
+    vals = value if isinstance(value, (list, tuple)) else [value]
+    ok = len(vals) == n and all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 31 for v in vals)
+    if not ok:
+        raise CheckpointConfigError(f"quantization_config {field}={value!r}: expected "
+                                    f"{'a positive integer' if n == 1 else 'two positive integers'}")
+    return tuple(vals)
+
+
+def _object(field: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointConfigError(f"quantization_config{' ' + field if field else ''} is of type "
+                                    f"{type(value).__name__}, not an object")
+    return value
+
+
 def parse_scheme(qcfg: dict) -> Scheme:
     """Validate ``quantization_config`` (empty: plain) and say what it allows; refusals name the scheme."""
+    qcfg = _object("", qcfg)
     if not qcfg:
         return Scheme()
     method = qcfg.get("quant_method")
@@ -92,13 +119,15 @@ def parse_scheme(qcfg: dict) -> Scheme:
             raise UnsupportedFormatError(f"quant_method 'fp8' with activation_scheme {qcfg['activation_scheme']!r}: "
                                          "static activation scales are not supported (dynamic only)")
         block = qcfg["weight_block_size"] if "weight_block_size" in qcfg else DEFAULT_FP8_BLOCK
-        return Scheme("fp8", fp8=True, fp8_block=tuple(int(b) for b in block) if block is not None else None)
+        return Scheme("fp8", fp8=True, fp8_block=_sizes("weight_block_size", block, 2) if block is not None else None)
     if method != "compressed-tensors":
         raise UnsupportedFormatError(f"quant_method {method!r} is not supported (phaseserve reads 'fp8' and "
                                      "'compressed-tensors')")
     fp8, block, groups = False, None, set()
-    for gname, group in (qcfg.get("config_groups") or {}).items():
-        w, acts = group.get("weights") or {}, group.get("input_activations")
+    for gname, group in _object("config_groups", qcfg.get("config_groups")).items():
+        group = _object(f"config_groups.{gname}", group)
+        w = _object(f"config_groups.{gname}.weights", group.get("weights"))
+        acts = _object(f"config_groups.{gname}.input_activations", group.get("input_activations")) or None
         fmt = group.get("format") or qcfg.get("format")
         what = f"compressed-tensors group {gname!r} ({_describe(w)}, format {fmt!r})"
         if w.get("type", "int") == "float" and w.get("num_bits") == 8:
@@ -107,7 +136,7 @@ def parse_scheme(qcfg: dict) -> Scheme:
             if acts and not acts.get("dynamic", False):
                 raise UnsupportedFormatError(f"{what}: static activation scales (input_scale) are not supported")
             if w.get("strategy") == "block":
-                block = tuple(int(b) for b in w["block_structure"])
+                block = _sizes(f"config_groups.{gname}.weights.block_structure", w.get("block_structure"), 2)
             elif w.get("strategy") not in ("tensor", "channel"):
                 raise UnsupportedFormatError(f"{what}: FP8 strategy {w.get('strategy')!r} is not supported")
             fp8 = True
@@ -123,12 +152,33 @@ def parse_scheme(qcfg: dict) -> Scheme:
         if not w.get("symmetric", True):
             raise UnsupportedFormatError(f"{what}: asymmetric (zero-point) INT4 is not supported")
         if w.get("strategy") == "group":
-            groups.add(int(w["group_size"]))
+            groups.add(_sizes(f"config_groups.{gname}.weights.group_size", w.get("group_size"), 1)[0])
         elif w.get("strategy") == "channel":
             groups.add(0)
         else:
             raise UnsupportedFormatError(f"{what}: INT4 strategy {w.get('strategy')!r} is not supported")
     return Scheme("compressed-tensors", fp8=fp8, fp8_block=block, int4_groups=frozenset(groups))
+
+
+# ---- values no checkpoint may hold ------------------------------------------------------------------------------
+def check_scale(name: str, scale: np.ndarray) -> None:
+    """A dequantizing scale (any float dtype, E8M0 included) must be finite and positive everywhere."""
+    s = np.asarray(scale).astype(np.float32)
+    bad = ~(np.isfinite(s) & (s > 0))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CorruptTensorError(f"tensor {name!r} has {int(bad.sum())} scale(s) that are not finite and positive "
+                                 f"(first {float(s[first])} at {first}): the weight would dequantize to NaN, Inf, "
+                                 "zero or flipped signs")
+
+
+def check_e4m3(name: str, weight: np.ndarray) -> None:
+    """An F8_E4M3 weight (e4m3fn: no Inf) must hold no NaN byte, ``0x7f`` or ``0xff``."""
+    bad = (np.asarray(weight).view(np.uint8) & 0x7F) == 0x7F
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CorruptTensorError(f"tensor {name!r} has {int(bad.sum())} NaN F8_E4M3 byte(s) (0x7f / 0xff), first "
+                                 f"at {first}")
 
 
 # ---- compressed-tensors int32 packing ---------------------------------------------------------------------------

@@ -11,9 +11,13 @@ shapes and the strict check), in the layout the file stores it (table in :mod:`p
   permuted into group order, the permutation kept; groups of unequal size: the exact dequantization in ``dtype``).
 
 Every other variant is refused with a :class:`~phaseserve.model.loader.CheckpointError` subclass naming the
-tensor (or scheme) and the feature. ``strict=True`` (default): a tensor no leaf consumed (a stray
-``weight_scale_inv`` beside a BF16 weight, a ``weight_zero_point``, an ``input_scale``) is an error naming it;
-``strict=False`` loads the rest and lists what it skipped in a ``SkippedTensorsWarning``.
+tensor (or scheme) and the feature; so is a tensor of the wrong dtype (``TensorDtypeError``: an integer scale, a
+float ``weight_packed``) or with values no checkpoint holds (``CorruptTensorError``: scales that are not finite and
+positive, NaN F8_E4M3 bytes; :func:`~phaseserve.quant.formats.check_scale`).
+
+``strict=True`` (default): a tensor no leaf consumed (a stray ``weight_scale_inv`` beside a BF16 weight, a
+``weight_zero_point``, an ``input_scale``) is an error naming it; ``strict=False`` loads the rest and lists what it
+skipped in a ``SkippedTensorsWarning``.
 
 ``policy=`` converts the loaded tree to another representation with ``quantize_params``: leaves already in the
 policy's representation are kept bit for bit, others are re-quantized from their float32 dequantization
@@ -32,7 +36,7 @@ from pallas_kernels.fp8_matmul import Fp8Weight
 from pallas_kernels.int4_matmul import Int4Weight
 from phaseserve.config import ModelConfig
 from phaseserve.model import loader as base
-from phaseserve.model.loader import MissingTensorError, ShapeMismatchError, TensorStore
+from phaseserve.model.loader import INT_DTYPES, MissingTensorError, ShapeMismatchError, TensorDtypeError, TensorStore
 from phaseserve.model.params import ArrayInfo, Params
 from phaseserve.qarrays import dequantize
 from phaseserve.quant import actorder
@@ -40,6 +44,8 @@ from phaseserve.quant.actorder import ActOrderInt4Weight, act_order_int4
 from phaseserve.quant.formats import (
     Scheme,
     UnsupportedFormatError,
+    check_e4m3,
+    check_scale,
     ct_act_order,
     ct_to_int4,
     fp8_from_hf,
@@ -61,9 +67,20 @@ def _kind(store: TensorStore, name: str) -> str:
     return "plain"
 
 
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
+FP8_SCALE_DTYPES = SCALE_DTYPES | {"F8_E8M0"}
+PACKED_DTYPES = frozenset({"I32", "U32"})
+
+
 def _need(store: TensorStore, name: str, why: str) -> None:
     if name not in store:
         raise MissingTensorError(f"checkpoint {store.dir} lacks tensor {name!r} ({why})")
+
+
+def _dtype(store: TensorStore, name: str, allowed: frozenset[str], what: str) -> None:
+    if store.dtype(name) not in allowed:
+        raise TensorDtypeError(f"tensor {name!r} is {store.dtype(name)}: {what} is stored as one of "
+                               f"{', '.join(sorted(allowed))}")
 
 
 def _read_int4(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Scheme) -> tuple[Any, set[str]]:
@@ -75,8 +92,14 @@ def _read_int4(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Sc
     if n + "_zero_point" in store:
         raise UnsupportedFormatError(f"{n}_zero_point: asymmetric (zero-point) INT4 is not supported")
     _need(store, n + "_scale", "the INT4 scales")
+    _dtype(store, n + "_packed", PACKED_DTYPES, "INT4 packed nibbles (int32 words)")
+    _dtype(store, n + "_scale", SCALE_DTYPES, "an INT4 scale")
+    if len(store.shape(n + "_scale")) != 2:
+        raise ShapeMismatchError(f"tensor {n + '_scale'!r} has shape {store.shape(n + '_scale')}, expected "
+                                 f"[{hf_shape[0]}, in/group]")
     used = {n + "_packed", n + "_scale"}
     if n + "_shape" in store:
+        _dtype(store, n + "_shape", INT_DTYPES, "a weight shape")
         shape = tuple(int(s) for s in np.asarray(store.get(n + "_shape")).reshape(-1))
         if shape != hf_shape:
             raise ShapeMismatchError(f"tensor {n + '_shape'!r} says {shape}, expected {hf_shape}")
@@ -85,12 +108,14 @@ def _read_int4(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Sc
     if store.shape(n + "_packed") != (out_f, -(-in_f // 8)):
         raise ShapeMismatchError(f"tensor {n + '_packed'!r} has shape {store.shape(n + '_packed')}, expected "
                                  f"{(out_f, -(-in_f // 8))}")
-    scale = store.get(n + "_scale")
+    scale = store.get(n + "_scale")  # [out, in/G]
+    check_scale(n + "_scale", scale)
     if scale.dtype == np.float16:
         scale = scale.astype(np.float32)  # exact; Int4Weight keeps f32 or bf16 scales
     group = int4_group(n, scale.shape, in_f, scheme)
     packed = store.get(n + "_packed")
     if n + "_g_idx" in store:
+        _dtype(store, n + "_g_idx", INT_DTYPES, "a group index")
         used.add(n + "_g_idx")
         g_idx = np.asarray(store.get(n + "_g_idx")).astype(np.int64).reshape(-1)
         if g_idx.shape != (in_f,) or g_idx.min() < 0 or g_idx.max() >= scale.shape[1]:
@@ -112,8 +137,12 @@ def _read_fp8(store: TensorStore, n: str, hf_shape: tuple[int, int], scheme: Sch
     _need(store, scale_name, "the scale of an F8_E4M3 weight")
     if store.shape(n) != hf_shape:
         raise ShapeMismatchError(f"tensor {n!r} has shape {store.shape(n)}, expected {hf_shape}")
+    _dtype(store, scale_name, FP8_SCALE_DTYPES, "an FP8 scale")
     block = fp8_scale_layout(scale_name, store.shape(scale_name), hf_shape, scheme.fp8_block)
-    return fp8_from_hf(store.get(n), store.get(scale_name), block), {n, scale_name}
+    weight, scale = store.get(n), store.get(scale_name)  # f8[out, in], [out/bo, in/bi] (or per tensor / channel)
+    check_e4m3(n, weight)
+    check_scale(scale_name, scale)
+    return fp8_from_hf(weight, scale, block), {n, scale_name}
 
 
 def _stack(parts: list[Any], names: list[str]) -> Any:
