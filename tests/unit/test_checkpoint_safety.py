@@ -331,7 +331,7 @@ MALFORMED = {  # name: (change, what the error must name); the comment is what e
     "config-lacks-layers": (_cfg(num_hidden_layers=_DROP), "num_hidden_layers"),  # KeyError
     "config-layers-a-string": (_cfg(num_hidden_layers="three"), "num_hidden_layers"),  # ValueError (int())
     "config-layers-null": (_cfg(num_hidden_layers=None), "num_hidden_layers"),  # TypeError
-    "config-zero-heads": (_cfg(**_LLAMA, num_attention_heads=0), "num_attention_heads"),  # ZeroDivisionError
+    "config-zero-heads": (_cfg(**_LLAMA, num_attention_heads=0, head_dim=_DROP), "num_attention_heads"),  # ZeroDiv.
     "config-lacks-mla-field": (_cfg(kv_lora_rank=_DROP), "kv_lora_rank"),  # KeyError
     "config-nan-eps": (_cfg(rms_norm_eps=float("nan")), "NaN"),  # loaded: a NaN norm epsilon
     "config-rope-scaling-a-list": (_cfg(rope_scaling=[1]), "rope_scaling"),  # TypeError
