@@ -354,6 +354,8 @@ def add_engine_layout(row: dict) -> dict:
     d = planner.deployment(sp["model"], SLICES[sp["generation"]][0], sp["chips"], sp["weights"], sp["kv"],
                            load_mtp=False, attn_tp=sp["tp"], weight_layout="engine")
     row["planner"]["weights_engine_layout_bytes"] = d.weight_bytes_per_device
+    row["planner"]["fits_engine_layout"] = bool(d.fits)
+    row["planner"]["pages_per_device_engine_layout"] = d.pages_per_device
     row["weights_vs_planner_engine_layout"] = row["weights_padded_bytes"] / d.weight_bytes_per_device - 1
     # the planner's own roofline for the same step (analytic FLOPs: cost_analysis counts no FLOPs inside Mosaic
     # kernels, which carry no cost estimate; it does count their operands' bytes)
@@ -375,7 +377,7 @@ def rerender(out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     results = json.loads((out / "results.json").read_text())
     for row in results.get("steps") or []:
-        if "roofline_s" not in row["planner"]:
+        if "fits_engine_layout" not in row["planner"]:
             add_engine_layout(row)
     write_json(out / "results.json", results)
     report.memory_plot(out / "memory_per_chip.png", results.get("steps") or [])
