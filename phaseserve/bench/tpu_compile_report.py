@@ -68,6 +68,7 @@ def step_table(rows: list[dict]) -> str:
             "KV GiB/chip": _gib(r["kv_padded_bytes"]),
             "planner KV": _gib(r["planner"]["kv_bytes"]) if decode else None,
             "Δ KV": _pct(r["kv_vs_planner"]) if decode else "–",
+            "Δ KV unpadded": _pct(r["kv_logical_bytes"] / r["planner"]["kv_bytes"] - 1) if decode else "–",
             "temp GiB": _gib(r["temp_bytes"]), "code MiB": r["code_bytes"] / MIB,
             "total / HBM GiB": f"{r['total_bytes'] / GIB:.1f} / {r['hbm_bytes'] / GIB:.0f}",
             "fits": r["fits_hbm"],
