@@ -180,13 +180,13 @@ def memory_plot(path: Path, steps: list[dict]) -> Path | None:
     kv = np.array([r["kv_padded_bytes"] for r in steps]) / GIB
     tmp = np.array([r["temp_bytes"] + r["code_bytes"] for r in steps]) / GIB
     pw = np.array([r["planner"]["weights_bytes"] for r in steps]) / GIB
-    pk = np.array([r["planner"]["kv_bytes"] for r in steps]) / GIB
+    pk = np.array([r["planner"]["kv_bytes"] if r["spec"]["phase"] == "decode" else 0 for r in steps]) / GIB
     fig, ax = plt.subplots(figsize=(max(6.4, 1.3 * len(steps)), 4.4), dpi=110)
     ax.bar(x - 0.2, w, 0.38, label="weights (compiled layout)")
     ax.bar(x - 0.2, kv, 0.38, bottom=w, label="KV pool")
     ax.bar(x - 0.2, tmp, 0.38, bottom=w + kv, label="temp + code")
     ax.bar(x + 0.2, pw, 0.38, label="planner weights", alpha=0.6)
-    ax.bar(x + 0.2, pk, 0.38, bottom=pw, label="planner KV", alpha=0.6)
+    ax.bar(x + 0.2, pk, 0.38, bottom=pw, label="planner KV (decode)", alpha=0.6)
     for i, r in enumerate(steps):
         ax.hlines(r["hbm_bytes"] / GIB, i - 0.45, i + 0.45, colors="k", linestyles="--", linewidth=1)
     ax.set_xticks(x, names, fontsize=7)
