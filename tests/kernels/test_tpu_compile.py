@@ -158,3 +158,25 @@ def test_grouped_reference_compiles_for_tpu(kind):
     with tpu_compile.no_persistent_cache():
         compiled = jax.jit(f).lower(*args).compile()
     assert compiled.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_experiment_config_composes_into_its_spec():
+    """configs/experiment/tpu_compile.yaml composes and validates against the experiment's dataclass, and its
+    model x phase x generation list gives one planned slice per step (the planner's smallest fitting one)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from phaseserve.bench import tpu_compile as steps
+    from phaseserve.bench.schema import experiment_spec
+
+    configs = str(Path(__file__).resolve().parents[2] / "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose(config_name="experiment/tpu_compile", overrides=["experiment.step_generations=[v5p]"])
+    spec = experiment_spec(cfg, steps.TpuCompileSpec)
+    assert spec.kernels == "full" and spec.kernel_generations == ["v5e", "v6e", "v5p"]
+    planned = steps.step_specs(spec.models, spec.phases, spec.step_generations, tp=spec.tp)
+    assert [(s.model, s.phase, s.chips, s.tp, s.ep) for s, _ in planned] == [
+        ("kimi-k2.6", "decode", 8, 8, 1), ("kimi-k2.6", "prefill", 16, 8, 2),
+        ("glm-5", "decode", 8, 8, 1), ("glm-5", "prefill", 16, 8, 2)]
+    assert all(plan["fits"] for _, plan in planned)
