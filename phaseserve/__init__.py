@@ -23,14 +23,26 @@ from phaseserve.config import (
     UnsupportedArchitectureError,
 )
 from phaseserve.engine import Engine, ReplicatedEngine, Request, RequestError, RequestOutput
-from phaseserve.model.loader import CheckpointError, MissingTensorError, ShapeMismatchError, UnexpectedTensorError
+from phaseserve.model.loader import (
+    CheckpointConfigError,
+    CheckpointError,
+    CorruptTensorError,
+    MalformedCheckpointError,
+    MissingTensorError,
+    ShapeMismatchError,
+    TensorDtypeError,
+    UnexpectedTensorError,
+    UnsafePathError,
+)
 from phaseserve.model.params import Params, abstract_params, init_params
 from phaseserve.model.transformer import forward, prefill
 from phaseserve.quant.loader import load_checkpoint  # the one loader: plain, FP8 and INT4 checkpoints
 
 __all__ = [
-    "CacheConfig", "CheckpointError", "ConfigError", "Engine", "MeshConfig", "MissingTensorError", "ModelConfig",
-    "Params", "QuantConfig", "ReplicatedEngine", "Request", "RequestError", "RequestOutput", "SequenceTooLongError",
-    "ServeConfig", "ShapeMismatchError", "UnexpectedTensorError", "UnsupportedArchitectureError", "abstract_params",
-    "forward", "init_params", "load_checkpoint", "planner", "prefill",
+    "CacheConfig", "CheckpointConfigError", "CheckpointError", "ConfigError", "CorruptTensorError", "Engine",
+    "MalformedCheckpointError", "MeshConfig", "MissingTensorError", "ModelConfig", "Params", "QuantConfig",
+    "ReplicatedEngine", "Request", "RequestError", "RequestOutput", "SequenceTooLongError", "ServeConfig",
+    "ShapeMismatchError", "TensorDtypeError", "UnexpectedTensorError", "UnsafePathError",
+    "UnsupportedArchitectureError", "abstract_params", "forward", "init_params", "load_checkpoint", "planner",
+    "prefill",
 ]

@@ -44,7 +44,7 @@ from phaseserve.engine import Engine, Request, RequestError
 PLOT = "replay_equality.png"
 # every kind of malformed field the validation layer must refuse with a typed error
 BAD_FIELDS: list[dict[str, Any]] = [
-    {"seed": -1}, {"seed": 2**32}, {"seed": None}, {"seed": "7"}, {"top_k": 2**31}, {"top_k": -1},
+    {"seed": -1}, {"seed": 2**32}, {"seed": "7"}, {"top_k": 2**31}, {"top_k": -1},
     {"tenant": None}, {"tenant": 3}, {"tenant": b"x"}, {"tenant": "\ud800"}, {"temperature": float("nan")},
     {"temperature": None}, {"temperature": -0.5}, {"temperature": float("inf")}, {"top_p": 0.0},
     {"top_p": float("nan")}, {"top_p": "1"}, {"max_tokens": 0}, {"max_tokens": None}, {"max_tokens": 2.5},

@@ -12,7 +12,9 @@ dequantized inside the kernel)::
 Integrity hooks come from the tracker object and are consumed on device: rows whose ``ok`` is False get the null
 page in their table and write nothing (``mask_table`` / ``mask_rows``); their length is 0, so they attend over
 nothing and read zeros. ``guard`` flags rows whose attention output is not finite, accumulated over the layers in
-:attr:`PagedAttend.finite`. With ``tracker=None`` none of this code is traced; the :class:`NoopTracker`'s hooks are
+:attr:`PagedAttend.finite`, and ``computed`` rows whose own new KV (this step's, before it is written) is not
+(:attr:`PagedAttend.computed`): such a row overflowed in the model, so its non-finite read is not a cache fault.
+With ``tracker=None`` none of this code is traced; the :class:`NoopTracker`'s hooks are
 identities, so it traces to the same jaxpr (tested).
 
 One object serves one traced step (it accumulates ``finite`` across the layers of that step).
@@ -54,10 +56,14 @@ class PagedAttend:
         self.lengths = jnp.where(active, positions + 1, 0)  # i32[B]
         self.tracker, self.sm_scale, self.impl = tracker, sm_scale, impl
         self.finite: jax.Array | None = None  # bool[B] after the first layer when the tracker guards
+        self.computed: jax.Array | None = None  # bool[B] every layer's new KV of the row finite (when it guards)
         self.selection: jax.Array | None = None  # i32[B, K] the last GLM-5 DSA selection (cache.dsa)
 
     def __call__(self, pages: GQAPages | MLAPages, q: Any, kv: Any) -> tuple[GQAPages | MLAPages, jax.Array]:
         pt, lengths = self.page_table, self.lengths
+        if self.tracker is not None:
+            with jax.named_scope("integrity"):
+                self.computed = self.tracker.computed(kv, self.computed)
         with jax.named_scope("page_write"):
             pages = write_token_layer(pages, kv, pt, self.positions, self.write)
         with jax.named_scope("attention"):

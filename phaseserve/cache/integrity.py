@@ -35,7 +35,9 @@ the hooks return their inputs, so a decode step built with it traces to the same
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +149,14 @@ class IntegrityTracker:
         """Per-layer attention output x [B, ...]: flag and zero rows that read NaN/inf."""
         return guard_finite(x, finite)
 
+    @staticmethod
+    def computed(kv: Any, finite: jax.Array | None) -> jax.Array:
+        """A layer's new KV (a pytree of [B, ...] arrays, one token per row) -> bool[B] all finite, and-ed into
+        ``finite``: False where the model itself produced NaN/inf this step."""
+        f = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+                                               for x in jax.tree.leaves(kv)])
+        return f if finite is None else finite & f
+
     # ---- device -> host ------------------------------------------------------------------------------------
     def failures(self, request_ids: list[str | None], ok, finite=None,
                  batch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, KVIntegrityError]:
@@ -213,6 +223,10 @@ class NoopTracker:
     @staticmethod
     def guard(x: jax.Array, finite: None) -> tuple[jax.Array, None]:
         return x, finite
+
+    @staticmethod
+    def computed(kv: Any, finite: None) -> None:
+        return finite
 
     def failures(self, request_ids, ok, finite=None, batch=None) -> dict[str, KVIntegrityError]:
         return {}

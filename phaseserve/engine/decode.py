@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from phaseserve.cache.attend import PagedAttend
@@ -48,11 +49,19 @@ class DecodeBatch:
 
 def decode_logits(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
                   tracker: Any = None, attn_impl: str = "auto") -> tuple[jax.Array, PagePool, Any]:
-    """The model's decode step over the paged cache: (logits f32[B, V], pool', finite bool[B] | None)."""
+    """The model's decode step over the paged cache: (logits f32[B, V], pool', finite bool[B] | None).
+
+    ``finite`` is False for a row that read NaN/inf from its pages (a cache fault, for the integrity tracker); a row
+    whose own new KV was non-finite overflowed in the model instead: its logits are NaN (the sampler's non-finite
+    row, :data:`phaseserve.engine.sampling.NONFINITE_TOKEN`) and it is not flagged."""
     attend = PagedAttend(batch.page_table, batch.positions, batch.active, ok, tracker=tracker,
                          sm_scale=softmax_scale(cfg), impl=attn_impl)
     logits, layers = transformer.decode_step(params, cfg, batch.tokens, batch.positions, pool.layers, attend)
-    return logits, pool.replace(layers=tuple(layers)), attend.finite
+    finite = attend.finite
+    if attend.computed is not None:
+        finite = finite | ~attend.computed
+        logits = jnp.where(attend.computed[:, None], logits, jnp.nan)
+    return logits, pool.replace(layers=tuple(layers)), finite
 
 
 def decode_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,

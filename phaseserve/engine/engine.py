@@ -49,7 +49,15 @@ from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ConfigError, ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_pool
-from phaseserve.engine.request import CancelledError, Limits, Request, RequestOutput, open_request
+from phaseserve.engine.request import (
+    CancelledError,
+    Limits,
+    Request,
+    RequestOutput,
+    nonfinite_logits,
+    open_request,
+)
+from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
 from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, prefill_pages, stop_reason
 from phaseserve.model.params import Params
@@ -204,9 +212,13 @@ class Engine:
                 self._finish(s, "error", err)
 
     def _emit(self, seq: Sequence, token: int, events: list) -> None:
-        """Append a generated token, record timing, finish on stop / length."""
-        seq.tokens.append(token)
+        """Append a generated token, record timing, finish on stop / length (on non-finite logits: an error, and
+        nothing appended)."""
         out = seq.output
+        if token == NONFINITE_TOKEN:
+            self._finish(seq, "error", nonfinite_logits(seq.id, len(out.tokens)))
+            return
+        seq.tokens.append(token)
         out.tokens.append(token)
         now = time.perf_counter()
         if out.metrics.first_token is None:
@@ -326,6 +338,9 @@ class Engine:
                     self._hand_off([d], events)
             return
         for s, tok in done:
+            if tok == NONFINITE_TOKEN:  # its KV may hold NaN: both phases' pages are scrubbed before they are freed
+                self.prefill.scrub(self.prefill.tables.owned(s.id))
+                self.decode.scrub(self.tables.owned(s.id))
             self.scheduler.prefilled(s)
             self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill

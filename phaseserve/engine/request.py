@@ -6,7 +6,8 @@ and one of the :class:`RequestError` subclasses below, having allocated nothing.
 and range: token ids are integers (numpy integers accepted, ``bool`` refused) inside the vocabulary; ``max_tokens
 >= 1`` and prompt + max_tokens fit the context (``ServeConfig.max_context``, default the model's
 ``max_position_embeddings``, further capped by the pages one sequence may hold); ``temperature >= 0`` and ``0 <
-top_p <= 1`` are finite floats; ``0 <= top_k < 2**31``; ``0 <= seed < 2**32``; ``tenant`` is a UTF-8-encodable
+top_p <= 1`` are finite floats; ``0 <= top_k < 2**31``; ``0 <= seed < 2**32`` (None: a fresh random seed, drawn here
+and reported in ``RequestOutput.seed``); ``tenant`` is a UTF-8-encodable
 ``str``; the id is a ``str``.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,16 @@ class CancelledError(RequestError):
     pass
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model's logits for this request were NaN or inf (an overflow in its activations, not a bad request and not
+    a KV-cache fault); the request ends with ``finish_reason="error"`` and no token from that step."""
+
+
+def nonfinite_logits(request_id: str, num_generated: int) -> NonFiniteLogitsError:
+    return NonFiniteLogitsError(f"request {request_id!r}: non-finite logits for output token {num_generated} (an "
+                                f"overflow in the model); nothing was emitted for it")
+
+
 FINISH_REASONS = ("length", "stop", "aborted", "error")  # the only values ``RequestOutput.finish_reason`` takes
 
 
@@ -68,7 +80,7 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None  # None: a fresh random seed per request (RequestOutput.seed says which)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: do not stop at the model's eos token ids
     tenant: str = ""  # salt of the prefix-cache hash chain: one tenant's prefix is never another's hit
@@ -114,6 +126,7 @@ class RequestOutput:
     finish_reason: str | None = None  # one of FINISH_REASONS; a cancel is "aborted" with a CancelledError
     error: Exception | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    seed: int | None = None  # the sampling seed the request ran with (drawn when it gave none)
 
     @property
     def finished(self) -> bool:
@@ -233,7 +246,7 @@ def validate(req: Any, limits: Limits) -> Request:
         temperature=_real(rid, "temperature", req.temperature, lambda v: v >= 0, ">= 0"),
         top_p=_real(rid, "top_p", req.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
         top_k=_integer(rid, "top_k", req.top_k, 0, I32_MAX),
-        seed=_integer(rid, "seed", req.seed, 0, U32_MAX),
+        seed=secrets.randbits(32) if req.seed is None else _integer(rid, "seed", req.seed, 0, U32_MAX),
         stop_token_ids=tuple(_token_ids(rid, "stop_token_ids", req.stop_token_ids, limits.vocab_size)))
 
 
@@ -254,4 +267,5 @@ def open_request(req: Any, limits: Limits, in_flight: Any) -> tuple[Request | No
         out.metrics.finished = time.perf_counter()
         return None, out
     out.metrics.num_prompt_tokens = len(req.prompt)
+    out.seed = req.seed
     return req, out

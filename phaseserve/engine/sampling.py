@@ -4,6 +4,10 @@ Each row carries its own parameters (arrays of shape [B]) and its own PRNG key d
 ``(request seed, token index)``, so a request's samples do not depend on which other requests share its batch.
 When every row is greedy (``temperature == 0``) the step runs only the argmax: the sort, the top-k/top-p masks and
 the draws sit behind a ``lax.cond`` that is not taken.
+
+A row whose logits are not all finite (an overflow in the model: NaN or inf) samples :data:`NONFINITE_TOKEN` instead
+of a token (``argmax`` of NaN logits is token 0, which used to go out as a real token); the host ends that request
+with :class:`~phaseserve.engine.request.NonFiniteLogitsError` and emits nothing for it.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+NONFINITE_TOKEN = -1  # sampled for a row whose logits are not all finite: never a token id
+
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,
            steps: jax.Array) -> jax.Array:
     """logits f32[B, V]; temperature f32[B] (0 = greedy); top_k i32[B] (0 = off); top_p f32[B];
-    seeds u32[B]; steps i32[B] (index of the token being sampled) -> i32[B]."""
+    seeds u32[B]; steps i32[B] (index of the token being sampled) -> i32[B] (:data:`NONFINITE_TOKEN` for a row
+    whose logits are not all finite)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(jnp.any(temperature > 0),
-                        lambda: jnp.where(temperature > 0, _draw(logits, temperature, top_k, top_p, seeds, steps),
-                                          greedy),
-                        lambda: greedy)
+    drawn = lambda: jnp.where(temperature > 0, _draw(logits, temperature, top_k, top_p, seeds, steps), greedy)
+    out = jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
+    return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), out, NONFINITE_TOKEN)
 
 
 def _draw(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,

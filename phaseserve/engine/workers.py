@@ -34,6 +34,7 @@ from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
 from phaseserve.engine.request import Request
+from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Sequence
 from phaseserve.sharding import pool_shardings, replicated, sharded_step
 
@@ -137,10 +138,17 @@ class PrefillWorker:
                                      log=self.kernels)
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self.sharding = rep
 
     def pool_ok(self) -> bool:
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
+
+    def scrub(self, pages: list[int]) -> None:
+        """Zero these pages (they may hold NaN/inf: a request whose activations overflowed) before they are freed: a
+        masked key slot's NaN value still reaches attention outputs through ``0 * NaN``."""
+        if pages:
+            self.pool = self._clear(self.pool, jnp.asarray(pages, jnp.int32))
 
     def reset_pool(self) -> None:
         """A fresh zeroed pool after a failed call consumed the donated one (the caller ended its requests)."""
@@ -241,6 +249,11 @@ class DecodeWorker:
         """False when a failed call consumed the (donated) pool: its buffers are gone."""
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
 
+    def scrub(self, pages: list[int]) -> None:
+        """Zero these pages (they may hold NaN/inf) before they go back to the free queue."""
+        if pages:
+            self.pool = self._clear(self.pool, jnp.asarray(pages, jnp.int32))
+
     def reset_pool(self) -> None:
         """A fresh zeroed pool (after :meth:`pool_ok` turned False; the caller has ended every request that held
         pages, so the allocator holds none)."""
@@ -291,7 +304,7 @@ class DecodeWorker:
         nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
         device_s = time.perf_counter() - t0
         failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in self.tables.owned(rid)]
-        if scrub:  # before any release: these pages go back to the free queue clean
-            self.pool = self._clear(self.pool, jnp.asarray(scrub, jnp.int32))
+        nonfinite = [rid for rid, e in failures.items() if e.kind == "nonfinite"]
+        nonfinite += [rid for rid, tok in zip(ids, nxt, strict=False) if tok == NONFINITE_TOKEN]  # overflowed rows
+        self.scrub([p for rid in nonfinite for p in self.tables.owned(rid)])  # before any release: freed clean
         return np.asarray(nxt[: len(rows)]), failures, device_s

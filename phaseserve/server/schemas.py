@@ -72,7 +72,7 @@ class SamplingFields(_Lenient):
         """Keyword arguments of :class:`phaseserve.Request` (besides id and prompt)."""
         return {"max_tokens": max_tokens, "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": max(self.top_k or 0, 0),
-                "seed": self.seed or 0, "ignore_eos": self.ignore_eos}
+                "seed": self.seed, "ignore_eos": self.ignore_eos}
 
     @property
     def include_usage(self) -> bool:

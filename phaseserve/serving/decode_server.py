@@ -44,9 +44,11 @@ from phaseserve.engine.request import (
     Limits,
     Request,
     RequestOutput,
+    nonfinite_logits,
     pages_ever,
     validate,
 )
+from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Sequence
 from phaseserve.engine.workers import DecodeWorker, cache_pages, stop_reason
 from phaseserve.quant.policy import phase_policy
@@ -324,6 +326,9 @@ class DecodeServer:
                 self._finish(s, "aborted", err)
                 continue
             tok = int(nxt[i])
+            if tok == NONFINITE_TOKEN:
+                self._finish(s, "error", nonfinite_logits(s.id, s.num_generated))
+                continue
             s.tokens.append(tok)
             self._out.append((s.id, tok))
             reason = stop_reason(s.request, tok, s.num_generated, self.cfg.eos_token_ids)

@@ -30,7 +30,8 @@ import jax
 
 from phaseserve.config import canonical_dtype
 from phaseserve.engine.handoff import join_chunks
-from phaseserve.engine.request import Limits, Request, RequestOutput, validate
+from phaseserve.engine.request import Limits, Request, RequestOutput, nonfinite_logits, validate
+from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Sequence
 from phaseserve.engine.workers import PrefillWorker, prefill_pages, stop_reason
 from phaseserve.quant.policy import phase_policy
@@ -200,6 +201,8 @@ class PrefillServer:
         told; its prefill pages are freed either way."""
         r = s.request
         try:
+            if tok == NONFINITE_TOKEN:
+                raise nonfinite_logits(r.id, 0)
             if stop_reason(r, tok, 1, self.cfg.eos_token_ids):
                 self.router_q.put(("prefilled", r.id, tok, None))
                 return

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from phaseserve.engine.request import RequestError
+from phaseserve.engine.request import NonFiniteLogitsError, RequestError
 
 
 # ---- typed errors ---------------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def _subclasses(c: type) -> list[type]:
     return [c] + [x for s in c.__subclasses__() for x in _subclasses(s)]
 
 
-ERRORS = {c.__name__: c for c in _subclasses(ServingError) + _subclasses(RequestError)}
+ERRORS = {c.__name__: c for c in _subclasses(ServingError) + _subclasses(RequestError) + [NonFiniteLogitsError]}
 
 
 def error_tuple(err: BaseException | None) -> tuple[str, str, str] | None:

@@ -162,6 +162,20 @@ def test_sampling_is_seeded_and_independent_of_the_batch(mla):
     assert alone != other_seed or alone != greedy
 
 
+def test_unseeded_sampling_is_random_and_reports_its_seed(mla):
+    """Issue 42 defect 2: a missing seed was 0, so unseeded temperature-1 requests all drew the same tokens. Now each
+    draws a fresh seed, reported in its output; given back as the seed, it reproduces the tokens."""
+    cfg, params = mla
+    eng = ps.Engine(cfg, params, serve_config())
+    reqs = [Request(id=f"u{i}", prompt=[3, 1, 4, 1, 5], max_tokens=12, temperature=1.0, ignore_eos=True)
+            for i in range(3)]
+    outs = eng.generate(reqs)
+    assert len({o.seed for o in outs}) == 3 and all(0 <= o.seed < 2**32 for o in outs)
+    assert len({tuple(o.tokens) for o in outs}) > 1
+    again = eng.generate([reqs[0].replace(id="again", seed=outs[0].seed)])[0]
+    assert again.seed == outs[0].seed and again.tokens == outs[0].tokens
+
+
 def test_bad_requests_fail_alone_and_allocate_nothing(mla):
     cfg, params = mla
     eng = ps.Engine(cfg, params, serve_config(max_batch=4))

@@ -26,7 +26,7 @@ def test_prompts_unknown_fields_and_the_sampling_map():
     assert CompletionRequest(prompt=["ab"]).one_prompt == "ab"
     assert CompletionRequest(prompt=[3, 4]).one_prompt == [3, 4]
     r = CompletionRequest.model_validate({"prompt": "x", "frobnicate": {"a": 1}, "top_k": -1, "max_tokens": 7})
-    assert r.sampling(r.max_tokens) == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0,
+    assert r.sampling(r.max_tokens) == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
                                         "ignore_eos": False}
     r = CompletionRequest(prompt="x", temperature=0, top_p=0.5, top_k=5, seed=2**32 - 1, stop="\n", ignore_eos=True)
     assert r.sampling(3) == {"max_tokens": 3, "temperature": 0.0, "top_p": 0.5, "top_k": 5, "seed": 2**32 - 1,

@@ -26,6 +26,7 @@ from phaseserve.engine.request import (
     Request,
     RequestError,
     RequestOutput,
+    open_request,
     validate,
 )
 from phaseserve.engine.scheduler import Scheduler, Sequence
@@ -46,8 +47,8 @@ def good(**kw) -> Request:
 
 @pytest.mark.parametrize("field, value, err", [
     # defect 1: fields that reached the step unchecked
-    ("seed", -1, InvalidParameterError), ("seed", 2**32, InvalidParameterError), ("seed", None, InvalidParameterError),
-    ("seed", "7", InvalidParameterError), ("top_k", 2**31, InvalidParameterError),
+    ("seed", -1, InvalidParameterError), ("seed", 2**32, InvalidParameterError), ("seed", "7", InvalidParameterError),
+    ("top_k", 2**31, InvalidParameterError),
     ("tenant", None, InvalidParameterError), ("tenant", 3, InvalidParameterError),
     ("tenant", b"acme", InvalidParameterError), ("tenant", "\ud800", InvalidParameterError),
     # defect 2: errors that were TypeError, not RequestError
@@ -67,6 +68,15 @@ def good(**kw) -> Request:
 def test_every_field_is_checked_with_a_typed_error(field, value, err):
     with pytest.raises(err):
         validate(good(**{field: value}), LIMITS)
+
+
+def test_a_missing_seed_is_drawn_fresh_and_reported():
+    """Issue 42 defect 2: a missing seed became 0 (every unseeded request sampled alike)."""
+    seeds = {validate(good(seed=None), LIMITS).seed for _ in range(16)}
+    assert len(seeds) == 16 and all(isinstance(s, int) and 0 <= s < 2**32 for s in seeds)
+    assert validate(good(seed=7), LIMITS).seed == 7 and validate(good(seed=0), LIMITS).seed == 0
+    req, out = open_request(good(), LIMITS, {})
+    assert out.seed == req.seed is not None
 
 
 def test_numpy_integers_are_accepted_and_normalised():

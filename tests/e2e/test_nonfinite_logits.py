@@ -1,0 +1,87 @@
+"""Issue 42, defect 4: NaN logits were emitted as token 0 (``finish_reason="length"``, no error), and with the
+integrity check on an overflow in the model was reported as a KV integrity abort.
+
+A model whose activations overflow for one token id (its embedding row set to inf: the residual stream is inf and
+every normalised row after it NaN) stands in for an overflow inside the model. The request that feeds that token
+ends with ``finish_reason="error"`` and a :class:`NonFiniteLogitsError`, nothing emitted for the step that
+overflowed; it is not counted as an integrity abort; the other requests of the batch get exactly the tokens they get
+alone; and the pages the overflowing request wrote, in both phases' pools, are scrubbed before they are freed (a NaN
+left in a masked key slot of a reused page reaches the next owner's attention output through ``0 * NaN``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phaseserve as ps
+from phaseserve.cache import paged
+from phaseserve.config import ModelConfig
+from phaseserve.engine.request import NonFiniteLogitsError, Request
+from phaseserve.presets import preset
+from tests.e2e.engine_utils import serve_config
+
+POISON = 7  # the token id whose embedding overflows
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_hf_config(preset("tiny-mla-moe"))
+    params = ps.init_params(cfg, jax.random.key(0), "float32")
+    embed = np.asarray(params.embed).copy()
+    embed[POISON] = np.inf
+    return cfg, params.replace(embed=jax.numpy.asarray(embed))
+
+
+def _prompts(cfg, n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(POISON + 1, cfg.vocab_size, int(rng.integers(3, 12)))] for _ in range(n)]
+
+
+def _alone(cfg, params, serve, reqs) -> dict[str, list[int]]:
+    engine = ps.Engine(cfg, params, serve)
+    return {r.id: engine.generate([r])[0].tokens for r in reqs}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("integrity", [True, False])
+def test_overflow_in_the_prompt_ends_that_request_alone(model, mode, integrity):
+    cfg, params = model
+    serve = serve_config(mode, num_pages=64, integrity=integrity)
+    good = [Request(id=f"g{i}", prompt=p, max_tokens=6, ignore_eos=True) for i, p in enumerate(_prompts(cfg, 3, 1))]
+    bad = Request(id="bad", prompt=[9, POISON, 11], max_tokens=6, ignore_eos=True)
+    engine = ps.Engine(cfg, params, serve)
+    outs = {o.id: o for o in engine.generate([good[0], bad, *good[1:]])}
+    assert outs["bad"].finish_reason == "error" and isinstance(outs["bad"].error, NonFiniteLogitsError)
+    assert outs["bad"].tokens == []  # token 0 used to go out here
+    assert engine.metrics.aborts == 0  # not a KV integrity failure
+    want = _alone(cfg, params, serve, good)
+    for r in good:
+        assert outs[r.id].error is None and outs[r.id].tokens == want[r.id], r.id
+    # the overflowing request's pages are back in the free queue scrubbed: no page of either pool holds NaN/inf
+    for pool in (engine.prefill.pool, engine.decode.pool):
+        assert all(bool(jnp.all(jnp.isfinite(paged.as_values(a)))) for a in jax.tree.leaves(pool))
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("integrity", [True, False])
+def test_overflow_in_decode_ends_the_request_with_the_tokens_before_it(model, integrity):
+    """The overflow comes with the request's first generated token (its embedding is made to overflow): the first
+    token goes out, the decode step that feeds it ends the request typed, not as a KV integrity abort."""
+    cfg, params = model
+    serve = serve_config("disaggregated", num_pages=64, integrity=integrity)
+    prompt = _prompts(cfg, 1, 2)[0]
+    first = ps.Engine(cfg, params, serve).generate([Request(id="p", prompt=prompt, max_tokens=1)])[0].tokens[0]
+    assert first != POISON and first not in prompt
+    embed = np.asarray(params.embed).copy()
+    embed[first] = np.inf
+    poisoned = params.replace(embed=jax.numpy.asarray(embed))
+    engine = ps.Engine(cfg, poisoned, serve)
+    other = Request(id="other", prompt=[POISON + 1, POISON + 2], max_tokens=4, ignore_eos=True)
+    outs = {o.id: o for o in engine.generate([Request(id="r", prompt=prompt, max_tokens=5, ignore_eos=True), other])}
+    assert outs["r"].tokens == [first]
+    assert outs["r"].finish_reason == "error" and isinstance(outs["r"].error, NonFiniteLogitsError), outs["r"]
+    assert engine.metrics.aborts == 0
+    assert outs["other"].error is None and len(outs["other"].tokens) == 4
+    assert all(bool(jnp.all(jnp.isfinite(paged.as_values(a)))) for a in jax.tree.leaves(engine.decode.pool))
