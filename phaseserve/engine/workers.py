@@ -304,7 +304,9 @@ class DecodeWorker:
         nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
         device_s = time.perf_counter() - t0
         failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        nonfinite = [rid for rid, e in failures.items() if e.kind == "nonfinite"]
-        nonfinite += [rid for rid, tok in zip(ids, nxt, strict=False) if tok == NONFINITE_TOKEN]  # overflowed rows
-        self.scrub([p for rid in nonfinite for p in self.tables.owned(rid)])  # before any release: freed clean
+        scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in self.tables.owned(rid)]
+        # a row that overflowed wrote NaN only into the page of this step's token (never a shared prompt page)
+        scrub += [self.tables.owned(s.id)[s.next_position // self.page_size]
+                  for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_TOKEN]
+        self.scrub(scrub)  # before any release: these pages go back to the free queue clean
         return np.asarray(nxt[: len(rows)]), failures, device_s

@@ -50,7 +50,8 @@ def test_overflow_in_the_prompt_ends_that_request_alone(model, mode, integrity):
     cfg, params = model
     serve = serve_config(mode, num_pages=64, integrity=integrity)
     good = [Request(id=f"g{i}", prompt=p, max_tokens=6, ignore_eos=True) for i, p in enumerate(_prompts(cfg, 3, 1))]
-    bad = Request(id="bad", prompt=[9, POISON, 11], max_tokens=6, ignore_eos=True)
+    head = [9, 10, 12, 13, 14, 15, 16, 17]  # two full pages before the overflowing token
+    bad = Request(id="bad", prompt=head + [POISON, 11], max_tokens=6, ignore_eos=True)
     engine = ps.Engine(cfg, params, serve)
     outs = {o.id: o for o in engine.generate([good[0], bad, *good[1:]])}
     assert outs["bad"].finish_reason == "error" and isinstance(outs["bad"].error, NonFiniteLogitsError)
