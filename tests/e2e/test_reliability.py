@@ -72,7 +72,7 @@ def test_bad_requests_end_alone_and_the_good_ones_run_in_the_same_call(served):
     outs = eng.generate(goods[:2] + bad + goods[2:])
     for o in outs[2:-2]:
         assert o.finish_reason == "error" and isinstance(o.error, RequestError) and o.tokens == [], (o.id, o.error)
-    assert isinstance(outs[2 + 11].error, InvalidRequestIdError) and isinstance(outs[2].error, InvalidParameterError)
+    assert isinstance(outs[2 + 10].error, InvalidRequestIdError) and isinstance(outs[2].error, InvalidParameterError)
     assert {o.id: o.tokens for o in outs[:2] + outs[-2:]} == ref  # in this call, not the next
     assert not eng.cancel(["unhashable"]) and not eng.cancel(None)
     assert _drained(eng)
