@@ -339,12 +339,11 @@ class Engine:
             return
         for s, tok in done:
             if tok == NONFINITE_TOKEN:  # the KV it computed may hold NaN: its private pages in both pools (not a
-                # shared prefix it reused) are zeroed before they are freed, and not offered for prefix reuse
+                # shared prefix it reused) are zeroed before they are freed
                 self.prefill.scrub(self.prefill.tables.owned(s.id))
                 self.decode.scrub(self.tables.owned(s.id)[s.shared_pages:])
             self.scheduler.prefilled(s)
-            if tok != NONFINITE_TOKEN:
-                self.scheduler.register_prefix(s)
+            self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
                 self._emit(s, tok, events)
 

@@ -116,6 +116,13 @@ def decode_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: An
         out_shardings=(rep, pool_sharding, rep), donate_argnums=(1,))
 
 
+def scrub_pages(worker: Any, pages: list[int]) -> None:
+    """A worker's ``scrub``: zero these pages of its pool (they may hold NaN/inf) before they are freed; a masked key
+    slot's NaN still reaches the next owner's attention output through ``0 * NaN``."""
+    if pages:
+        worker.pool = worker._clear(worker.pool, jnp.asarray(pages, jnp.int32))
+
+
 class PrefillWorker:
     """Prefill weights and the prefill page pool (prefill KV dtype) on the prefill mesh, with the jitted chunk step
     and the page export of the handoff. The pool holds the KV of the prompts in progress only: a request gets its
@@ -144,11 +151,7 @@ class PrefillWorker:
     def pool_ok(self) -> bool:
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
 
-    def scrub(self, pages: list[int]) -> None:
-        """Zero these pages (they may hold NaN/inf: a request whose activations overflowed) before they are freed: a
-        masked key slot's NaN value still reaches attention outputs through ``0 * NaN``."""
-        if pages:
-            self.pool = self._clear(self.pool, jnp.asarray(pages, jnp.int32))
+    scrub = scrub_pages
 
     def reset_pool(self) -> None:
         """A fresh zeroed pool after a failed call consumed the donated one (the caller ended its requests)."""
@@ -249,10 +252,7 @@ class DecodeWorker:
         """False when a failed call consumed the (donated) pool: its buffers are gone."""
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
 
-    def scrub(self, pages: list[int]) -> None:
-        """Zero these pages (they may hold NaN/inf) before they go back to the free queue."""
-        if pages:
-            self.pool = self._clear(self.pool, jnp.asarray(pages, jnp.int32))
+    scrub = scrub_pages
 
     def reset_pool(self) -> None:
         """A fresh zeroed pool (after :meth:`pool_ok` turned False; the caller has ended every request that held
