@@ -158,7 +158,8 @@ def _gpu_forward(q_latent, q_rope, pages, pt, lengths, scales, sm_scale, interpr
         raise UnsupportedShapeError(f"Triton MLA needs power-of-two page_size, kv_lora_rank, rope_dim (>= 16); "
                                     f"got {s}, {r}, {rope}")
     check_gpu_fp8("Triton MLA", pages.dtype, interpret)
-    blk = tuning.mla_gpu(b, h, s, pt.shape[1])
+    cdt = compute_dtype(q_latent.dtype, pages.dtype)
+    blk = tuning.mla_gpu(b, h, s, pt.shape[1], jnp.dtype(cdt).itemsize)
     bh = blk.block_h
     hp = max(bh, 1 << (h - 1).bit_length())
     ns = blk.num_splits
@@ -175,8 +176,7 @@ def _gpu_forward(q_latent, q_rope, pages, pt, lengths, scales, sm_scale, interpr
         *([pl.BlockSpec((p, s), lambda i, hb, j: (0, 0))] if has_scales else []),
     ]
     kernel = functools.partial(_gpu_kernel, has_scales=has_scales, page_size=s, ppb=blk.pages_per_block,
-                               pps=blk.pages_per_split, sm_scale=sm_scale,
-                               cdt=compute_dtype(q_latent.dtype, pages.dtype))
+                               pps=blk.pages_per_split, sm_scale=sm_scale, cdt=cdt)
     o, m, den = pl.pallas_call(
         kernel,
         grid=(b, hp // bh, ns),

@@ -52,11 +52,14 @@ def gqa_tpu(page_size: int, max_pages: int) -> DecodeBlocks:
     return DecodeBlocks(ppb, 1, cdiv(max_pages, ppb) * ppb)
 
 
-def mla_gpu(batch: int, num_heads: int, page_size: int, max_pages: int) -> DecodeBlocks:
+def mla_gpu(batch: int, num_heads: int, page_size: int, max_pages: int, itemsize: int = 2) -> DecodeBlocks:
     # all heads (up to 64, Kimi/DeepSeek-V3 per device) in one program: the latent page is read once per row
-    # (FlashMLA's layout), not once per 16 heads; the 64 x kv_lora_rank f32 accumulator needs 8 warps
-    block_h = min(max(16, next_pow2(num_heads)), 64)
-    ppb = min(max(1, 32 // page_size), next_pow2(max_pages))
+    # (FlashMLA's layout), not once per 16 heads; the 64 x kv_lora_rank f32 accumulator needs 8 warps.
+    # itemsize: bytes of the compute dtype. float32 (4) operands at 64 heads x 32 tokens x 512 asked the H200 for
+    # 432 KiB of shared memory (it has 227 KiB): 16 heads and 16 tokens per step there (a reference-precision path)
+    wide = itemsize >= 4
+    block_h = min(max(16, next_pow2(num_heads)), 16 if wide else 64)
+    ppb = min(max(1, (16 if wide else 32) // page_size), next_pow2(max_pages))
     splits, pps = _split(batch * cdiv(num_heads, block_h), max_pages, ppb, gpu_core_count())
     return DecodeBlocks(ppb, splits, pps, block_h)
 
