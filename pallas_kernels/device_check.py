@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                           fp8_roundtrip_kept=kept, smoke=args.smoke, checks=rows, provenance=common.provenance()), f, indent=1)
+                           fp8_roundtrip_kept=kept, smoke=args.smoke, checks=rows, provenance=common.provenance()),
+                      f, indent=1)
     return 1 if failures else 0
 
 

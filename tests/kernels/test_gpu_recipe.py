@@ -23,8 +23,8 @@ def test_recipe_smoke_runs_every_stage_and_survives_a_timeout(tmp_path):
     checks = json.loads((tmp_path / "kernel_checks.json").read_text())
     assert checks["smoke"] and len(checks["checks"]) >= 24 and all(c["ok"] for c in checks["checks"])
     names = {c["name"].split()[0] for c in checks["checks"]}
-    assert names == {"paged_gqa", "paged_mla", "sparse_mla", "flash_prefill", "int4_matmul", "int4_grouped", "fp8_matmul",
-                     "fp8_grouped"}
+    assert names == {"paged_gqa", "paged_mla", "sparse_mla", "flash_prefill", "int4_matmul", "int4_grouped",
+                     "fp8_matmul", "fp8_grouped"}
     assert checks["fp8_roundtrip_kept"] is True  # the CPU rounds a jitted f32 -> e4m3 -> f32 round trip
     assert {p["impl"] for p in checks["provenance"]} >= {"pallas", "reference"}
     assert json.loads((tmp_path / "reproduce" / "results.json").read_text())
