@@ -51,12 +51,13 @@ class Sizes:
     iters: int
     trials: int
     l2_bytes: int  # weights are replicated until their copies exceed this
+    min_copies: int  # ops with weight copies run at least this many per timed program
 
 
 FULL = Sizes(2 << 30, 8192, 64, 8192, 64, (64, 8, 128), (64, 512, 64), (1, 8, 32, 64),
-             ((7168, 7168), (7168, 2048), (2048, 7168)), (48, 8, 7168, 2048), (4096, 7168, 7168), 20, 5, 256 << 20)
+             ((7168, 7168), (7168, 2048), (2048, 7168)), (48, 8, 7168, 2048), (4096, 7168, 7168), 20, 5, 256 << 20, 8)
 SMOKE = Sizes(1 << 20, 128, 2, 64, 16, (8, 2, 128), (4, 128, 32), (1,), ((256, 128),), (3, 2, 256, 128),
-              (16, 256, 128), 1, 1, 0)
+              (16, 256, 128), 1, 1, 0, 1)
 
 
 @dataclasses.dataclass
@@ -70,21 +71,26 @@ class Row:
 
 
 def timeit(fn: Callable, arg_sets: list[tuple], iters: int, trials: int) -> float:
-    """Median seconds per call; cycles through ``arg_sets`` (copies of the weights) to defeat the L2 cache."""
-    jax.block_until_ready(fn(*arg_sets[0]))
+    """Median seconds per op. All ``arg_sets`` (copies of the weights, which also defeat the L2 cache) go through
+    ``fn`` inside one jitted program, so a call's host dispatch is paid once per set of copies, not once per op:
+    the first H200 run (benchmarks/gpu/2026-12-04-h200) dispatched one call per op, and a BF16 matmul took as long
+    at 29 MB of weights as at 103 MB."""
+    batched = jax.jit(lambda sets: [fn(*a) for a in sets])
+    jax.block_until_ready(batched(arg_sets))
     samples = []
     for _ in range(trials):
         t0 = time.perf_counter()
         out = None
-        for i in range(iters):
-            out = fn(*arg_sets[i % len(arg_sets)])
+        for _ in range(iters):
+            out = batched(arg_sets)
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / iters)
+        samples.append((time.perf_counter() - t0) / (iters * len(arg_sets)))
     return statistics.median(samples)
 
 
 def copies(make: Callable[[jax.Array], tuple], nbytes: int, sz: Sizes, seed: int) -> list[tuple]:
-    n = max(1, -(-sz.l2_bytes // max(nbytes, 1)))
+    """Enough copies of an op's weights to exceed the L2 cache, and at least ``sz.min_copies`` of them."""
+    n = max(sz.min_copies, -(-sz.l2_bytes // max(nbytes, 1)))
     return [make(jax.random.key(seed + i)) for i in range(n)]
 
 
