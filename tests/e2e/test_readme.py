@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\n(.*?)^```[ \t]*$", re.S | re.M)
 MARKS = ("runs", "illustrative")
+PATH = r"(?<![\w./])((?:experiments|examples|benchmarks|configs|phaseserve|tests|docs)/[\w./-]*\w)"
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:
@@ -57,13 +58,19 @@ def test_runnable_blocks_run_on_a_one_device_cpu():
     assert re.search(r"^\d+ tok/s over 6 requests$", out.stdout, re.M), out.stdout  # summary of both calls
 
 
-def test_files_the_readme_names_exist():
-    text = README.read_text()
-    paths = set(re.findall(r"\b((?:experiments|examples|benchmarks|configs|phaseserve|tests|docs)/[\w./-]*\w)",
-                           text))
-    missing = sorted(p for p in paths if "<" not in p and not (ROOT / p).exists())
+def test_files_the_readme_and_docs_name_exist():
+    """Repository paths named in README.md and docs/*.md exist, and every relative markdown link resolves."""
+    docs = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        text = doc.read_text()
+        paths = set(re.findall(PATH, text))
+        missing += [f"{doc.name}: {p}" for p in sorted(paths) if "<" not in p and not (ROOT / p).exists()]
+        links = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text)
+        missing += [f"{doc.name}: link {p}" for p in links
+                    if not p.startswith(("http:", "https:", "mailto:")) and not (doc.parent / p).exists()]
     assert not missing, missing
-    assert {"experiments/serve.py", "experiments/engine.py", "experiments/multiprocess.py"} <= paths
+    assert "experiments/serve.py" in README.read_text()
 
 
 def test_engine_quickstart_example_aborts_only_the_corrupted_request():
