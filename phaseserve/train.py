@@ -328,7 +328,7 @@ def export_hf(params: Params, m: ModelShape, out_dir: str | Path, dtype: str = "
             tensors[name] = jnp.asarray(np.ascontiguousarray(part.T if transpose else part))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(m, tok, dtype), indent=2) + "\n")
-    tok.save(out)
+    tok.save(out, model_max_length=cfg.max_position_embeddings)
     for name, text in (extra_files or {}).items():
         (out / name).write_text(text)
     return out
@@ -531,7 +531,7 @@ def model_card(summary: dict) -> str:
     return f"""# phaseserve default model
 
 A {summary['parameters'] / 1e6:.2f}M-parameter DeepSeek-V3-architecture model (`DeepseekV3ForCausalLM`) trained
-from scratch by `experiments/train.py` (configs/train.yaml) on a CPU: byte-level tokens (tokenizer.json),
+from scratch by `experiments/train.py` (configs/train.yaml) on a CPU: byte-level tokens (Hugging Face tokenizer files),
 standard-library Python source mixed with synthetic tool-call requests (`phaseserve.data`).
 
 - {m['num_layers']} layers (first {m['first_k_dense']} dense), hidden {m['hidden_size']}, {m['num_heads']} heads; \

@@ -14,8 +14,10 @@ Token ids::
 bytes, so ``decode(encode(s)) == s`` for every string. ``decode`` renders special ids by their names (or
 drops them with ``skip_special=True``) and replaces invalid UTF-8 (a model can emit any byte sequence).
 
-The description written next to a checkpoint (``tokenizer.json``, see :meth:`ByteTokenizer.to_json`) is
-all a user needs to rebuild the tokenizer.
+Next to a checkpoint it is stored as Hugging Face tokenizer files (:meth:`ByteTokenizer.save`: ``tokenizer.json``
+and ``tokenizer_config.json``), so ``transformers.AutoTokenizer.from_pretrained(dir)`` loads the same ids:
+``<bos>`` prepended for ``add_special_tokens=True`` (the training format), text spelling a special token encoded
+as bytes (``split_special_tokens``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 NUM_BYTES = 256
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>", "<tool_call>", "</tool_call>")
@@ -79,33 +82,60 @@ class ByteTokenizer:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    # ---- description stored with checkpoints --------------------------------------------------
-    def to_json(self) -> dict:
-        return {
-            "type": "byte_level",
-            "vocab_size": self.vocab_size,
-            "bytes": "ids 0..255 are the UTF-8 byte values",
-            "special_tokens": self.special_ids,
-            "bos_token_id": self.bos_id,
-            "eos_token_id": self.eos_id,
-            "pad_token_id": self.pad_id,
-            "prompt_format": "<bos>{request}\\n -> <tool_call>{json}</tool_call><eos>",
-        }
+    # ---- Hugging Face tokenizer files stored with checkpoints ----------------------------------------
+    def hf_tokenizer(self) -> Tokenizer:
+        """The same tokenizer as a Hugging Face ``tokenizers.Tokenizer``: byte-level pre-tokenization (GPT-2's
+        byte-to-character table) onto ids 0..255 = the byte values, the specials at their ids, ``<bos>`` prepended
+        when special tokens are added (as the model was trained), the byte-level decoder."""
+        vocab = {ch: b for b, ch in enumerate(byte_chars())}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        names = [*SPECIAL_TOKENS, *(f"<unused{i}>" for i in range(NUM_BYTES + len(SPECIAL_TOKENS), self.vocab_size))]
+        tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", self.bos_id)])
+        return tok
+
+    def hf_config(self, model_max_length: int | None = None) -> dict:
+        """``tokenizer_config.json``: specials by name, and ``split_special_tokens`` so that text spelling a special
+        token is encoded as its bytes (as :meth:`encode` does)."""
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+               "pad_token": "<pad>", "split_special_tokens": True, "clean_up_tokenization_spaces": False}
+        return cfg | ({"model_max_length": int(model_max_length)} if model_max_length else {})
+
+    def save(self, directory: str | Path, model_max_length: int | None = None) -> Path:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (what ``AutoTokenizer.from_pretrained`` reads)."""
+        directory = Path(directory)
+        self.hf_tokenizer().save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps(self.hf_config(model_max_length), indent=2) + "\n")
+        return directory / "tokenizer.json"
 
     @classmethod
     def from_json(cls, d: dict) -> ByteTokenizer:
-        if d.get("type") != "byte_level":
-            raise ValueError(f"not a byte-level tokenizer description: type={d.get('type')!r}")
-        tok = cls(vocab_size=int(d["vocab_size"]))
-        if d.get("special_tokens", tok.special_ids) != tok.special_ids:
-            raise ValueError(f"special token ids {d['special_tokens']} differ from {tok.special_ids}")
+        """The tokenizer a Hugging Face ``tokenizer.json`` describes, if it is this byte-level one (ValueError else)."""
+        model, pre = d.get("model") or {}, d.get("pre_tokenizer") or {}
+        if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or model.get("merges"):
+            raise ValueError(f"not a byte-level tokenizer.json: model {model.get('type')!r}, pre-tokenizer "
+                             f"{pre.get('type')!r}, {len(model.get('merges') or [])} merges")
+        added = {t["content"]: t["id"] for t in d.get("added_tokens", [])}
+        tok = cls(vocab_size=len(model.get("vocab", {})) + len(added))
+        if model.get("vocab") != {ch: b for b, ch in enumerate(byte_chars())}:
+            raise ValueError("not a byte-level tokenizer.json: ids 0..255 are not the byte values")
+        if {k: added.get(k) for k in tok.special_ids} != tok.special_ids:
+            raise ValueError(f"special token ids {added} differ from {tok.special_ids}")
         return tok
-
-    def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / "tokenizer.json"
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        return path
 
     @classmethod
     def load(cls, directory: str | Path) -> ByteTokenizer:
         return cls.from_json(json.loads((Path(directory) / "tokenizer.json").read_text()))
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's printable stand-in character for each byte 0..255 (what Hugging Face's byte-level pre-tokenizer maps
+    bytes to): printable Latin-1 bytes stand for themselves, the rest take code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]

@@ -46,11 +46,11 @@ def tokenizer_of(cfg: DictConfig) -> ByteTokenizer:
     if not m.get("checkpoint"):
         return ByteTokenizer()  # random weights of a preset: bytes are as good as any ids (vocab checked below)
     path = repo_path(m.checkpoint) / "tokenizer.json"
-    desc = json.loads(path.read_text()) if path.is_file() else {}
-    if desc.get("type") != "byte_level":
-        raise ConfigError(f"the server needs a byte-level tokenizer.json next to the checkpoint; {path} is "
-                          f"{'missing' if not desc else 'of type ' + repr(desc.get('type'))}")
-    return ByteTokenizer.from_json(desc)
+    try:
+        return ByteTokenizer.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"the server needs the byte-level tokenizer.json next to a checkpoint; {path}: {e}") \
+            from None
 
 
 def build_backend(cfg: DictConfig) -> Any:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 import phaseserve as ps
 from phaseserve import train as T
+from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.model.moe import capacity_experts, dense_experts, route
 
 TINY = T.ModelShape(hidden_size=32, num_layers=2, first_k_dense=1, num_heads=2, intermediate_size=48,
@@ -92,7 +93,8 @@ def test_export_round_trips_through_loader(tmp_path, key):
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["architectures"] == ["DeepseekV3ForCausalLM"] and hf["first_k_dense_replace"] == 1
-    assert json.loads((tmp_path / "tokenizer.json").read_text())["eos_token_id"] == 257
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"] == "<eos>"
+    assert ByteTokenizer.load(tmp_path).eos_id == 257
 
 
 def _tiny_run(tmp_path, name: str, ckpt: str, **kw) -> T.TrainConfig:
