@@ -34,8 +34,8 @@ import numpy as np
 
 from pallas_kernels.int4_matmul import Int4Weight, pack_int4
 from phaseserve.config import ModelConfig, to_dtype
+from phaseserve.model.loader import leaf_path as path_str
 from phaseserve.qarrays import QuantOps, dense, grouped_dense, register
-from phaseserve.quant.quantize import path_str
 
 DAMP = 0.01
 

@@ -40,6 +40,7 @@ from phaseserve.model.loader import leaf_path as path_str  # one spelling of lea
 from phaseserve.model.params import ArrayInfo, abstract_params, is_info
 from phaseserve.qarrays import is_quantized
 from phaseserve.quant.actorder import ActOrderInt4Weight
+from phaseserve.quant.calibrate import gptq_int4
 from phaseserve.quant.policy import PolicyError, QuantPolicy, Rep, resolve_policy
 
 _NORM_NAMES = re.compile(r"(^|\.)(attn_norm|mlp_norm|final_norm|q_norm|k_norm|kv_a_norm|q_a_norm|k_norm_w|k_norm_b)$")
@@ -175,8 +176,6 @@ def quantize_leaf(x: Any, rep: Rep, path: str = "?", hessian=None) -> Any:
         return _fp8(w, rep.block, _full((*lead, math.ceil(k / bk), math.ceil(n / bn)), _E4M3_MAX))
     _check_int4(path, w.shape, rep)
     if rep.method == "gptq" and hessian is not None:
-        from phaseserve.quant.calibrate import gptq_int4  # calibrate imports this module
-
         return gptq_int4(w, hessian, rep.group_size, rep.scale_dtype)
     qmax = _full((*lead, k // rep.group_size, 1, n), _INT4_MAX)
     return _rtn_int4(w, rep.group_size, to_dtype(rep.scale_dtype).type, qmax)
