@@ -12,7 +12,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 import jax  # noqa: E402
 
 import phaseserve as ps  # noqa: E402
-from phaseserve.cache.faults import FaultInjector  # noqa: E402
+from lab.faults import FaultInjector  # noqa: E402
 
 hf_config = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=512, hidden_size=128, intermediate_size=256,
                  moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=128,

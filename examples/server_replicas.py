@@ -20,8 +20,8 @@ import urllib.request  # noqa: E402
 import openai  # noqa: E402
 
 import phaseserve as ps  # noqa: E402
+from lab.eval.demo import default_model_path  # noqa: E402
 from phaseserve.data.tokenizer import ByteTokenizer  # noqa: E402
-from phaseserve.eval.demo import default_model_path  # noqa: E402
 from phaseserve.server import EngineBackend, create_app  # noqa: E402
 from phaseserve.server.launch import start_in_thread  # noqa: E402
 

@@ -18,8 +18,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from phaseserve import planner
-from phaseserve.bench.report import kv_tokens_plot
+from lab import planner
+from lab.bench.report import kv_tokens_plot
 
 
 @hydra.main(config_path="../configs", config_name="capacity", version_base=None)

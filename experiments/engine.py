@@ -1,6 +1,6 @@
 """Experiment entry point: engine (phaseserve against transformers generate, and the engine's host overhead).
 
-Logic in phaseserve/bench/engine_speed.py, settings in configs/experiment/engine.yaml. Needs the test extra
+Logic in lab/bench/engine_speed.py, settings in configs/experiment/engine.yaml. Needs the test extra
 (torch, transformers).
 
     python experiments/engine.py                          # into outputs/engine/<date>/
@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import engine_speed, setup_jax
+from lab.bench import engine_speed, setup_jax
 
 
 @hydra.main(config_path="../configs", config_name="experiment/engine", version_base="1.3")

@@ -1,6 +1,6 @@
 """Experiment entry point: http_load (the HTTP server under load against the same engine in-process).
 
-Logic in phaseserve/bench/http_load.py, settings in configs/experiment/http_load.yaml.
+Logic in lab/bench/http_load.py, settings in configs/experiment/http_load.yaml.
 
     python experiments/http_load.py                          # into outputs/http_load/<date>/
     python experiments/http_load.py hydra.run.dir=benchmarks/http
@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import http_load, setup_jax
+from lab.bench import http_load, setup_jax
 
 
 @hydra.main(config_path="../configs", config_name="experiment/http_load", version_base="1.3")

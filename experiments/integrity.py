@@ -1,6 +1,6 @@
 """Experiment entry point: integrity.
 
-Logic in phaseserve/bench/integrity.py, settings in configs/experiment/integrity.yaml.
+Logic in lab/bench/integrity.py, settings in configs/experiment/integrity.yaml.
 
     python experiments/integrity.py                       # the side-by-side sweep, into outputs/integrity/<date>/
     python experiments/integrity.py hydra.run.dir=benchmarks/integrity
@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import integrity, setup_jax
+from lab.bench import integrity, setup_jax
 
 
 @hydra.main(config_path="../configs", config_name="experiment/integrity", version_base="1.3")

@@ -1,6 +1,6 @@
 """Experiment entry point: kv_dtype.
 
-Logic in phaseserve/bench/kv_dtype.py, settings in configs/experiment/kv_dtype.yaml.
+Logic in lab/bench/kv_dtype.py, settings in configs/experiment/kv_dtype.yaml.
 
     python experiments/kv_dtype.py                       # the side-by-side sweep, into outputs/kv_dtype/<date>/
     python experiments/kv_dtype.py hydra.run.dir=benchmarks/kv_dtype
@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import kv_dtype, setup_jax
+from lab.bench import kv_dtype, setup_jax
 
 
 @hydra.main(config_path="../configs", config_name="experiment/kv_dtype", version_base="1.3")

@@ -1,6 +1,6 @@
 """Experiment entry point: long-context prefill memory and efficiency.
 
-Logic in phaseserve/bench/long_context.py, settings in configs/experiment/long_context.yaml.
+Logic in lab/bench/long_context.py, settings in configs/experiment/long_context.yaml.
 
     python experiments/long_context.py                                        # into outputs/bench/<date>/
     python experiments/long_context.py hydra.run.dir=benchmarks/long_context  # the committed report
@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import long_context
+from lab.bench import long_context
 
 
 @hydra.main(config_path="../configs", config_name="experiment/long_context", version_base="1.3")

@@ -1,7 +1,7 @@
 """Experiment entry point: multiprocess (two-process disaggregated serving against the single-process engine, and
 the KV bytes on the wire).
 
-Logic in phaseserve/bench/multiprocess.py, settings in configs/experiment/multiprocess.yaml. Starts two server
+Logic in lab/bench/multiprocess.py, settings in configs/experiment/multiprocess.yaml. Starts two server
 processes (spawned; they share the CPU cores).
 
     python experiments/multiprocess.py                    # into outputs/multiprocess/<date>/
@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import multiprocess, setup_jax
+from lab.bench import multiprocess, setup_jax
 
 
 @hydra.main(config_path="../configs", config_name="experiment/multiprocess", version_base="1.3")

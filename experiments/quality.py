@@ -1,4 +1,4 @@
-"""Quality table of every representation on the shipped default model (logic: phaseserve/eval/quality.py).
+"""Quality table of every representation on the shipped default model (logic: lab/eval/quality.py).
 
     python experiments/quality.py                              # into outputs/quality/<date>/
     python experiments/quality.py hydra.run.dir=benchmarks/quality
@@ -11,8 +11,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.eval.demo import default_model_path
-from phaseserve.eval.quality import final_lines, run
+from lab.eval.demo import default_model_path
+from lab.eval.quality import final_lines, run
 
 
 @hydra.main(config_path="../configs", config_name="quality", version_base=None)

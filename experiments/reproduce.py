@@ -1,4 +1,4 @@
-"""Experiment entry point: run every experiment and write one report (logic in phaseserve/bench/reproduce.py,
+"""Experiment entry point: run every experiment and write one report (logic in lab/bench/reproduce.py,
 settings in configs/experiment/reproduce.yaml).
 
     python experiments/reproduce.py                  # everything at default settings, into outputs/reproduce/<date>/
@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import reproduce, setup_jax
+from lab.bench import reproduce, setup_jax
 
 
 @hydra.main(config_path="../configs", config_name="experiment/reproduce", version_base="1.3")

@@ -20,8 +20,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 import phaseserve as ps  # noqa: E402
 import phaseserve.quiet  # noqa: E402, F401  (no backend-probe INFO lines)
-from phaseserve.eval.demo import default_model_path, describe_engine, measured_lines, show_default_model  # noqa: E402
-from phaseserve.eval.generation import engine_generate_fn  # noqa: E402
+from lab.eval.demo import default_model_path, describe_engine, measured_lines, show_default_model  # noqa: E402
+from lab.eval.generation import engine_generate_fn  # noqa: E402
 
 
 def serve_config(cfg: DictConfig) -> ps.ServeConfig:

@@ -1,6 +1,6 @@
 """Experiment entry point: soak.
 
-Logic in phaseserve/bench/soak.py, settings in configs/experiment/soak.yaml.
+Logic in lab/bench/soak.py, settings in configs/experiment/soak.yaml.
 
     python experiments/soak.py                                  # into outputs/soak/<date>/
     python experiments/soak.py hydra.run.dir=benchmarks/soak    # the committed report
@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import setup_jax, soak
+from lab.bench import setup_jax, soak
 
 
 @hydra.main(config_path="../configs", config_name="experiment/soak", version_base="1.3")

@@ -1,6 +1,6 @@
 """Experiment entry point: tpu_compile (every kernel and the engine's serving steps compiled for TPU without a TPU).
 
-Logic in pallas_kernels/tpu_compile.py (kernels) and phaseserve/bench/tpu_compile.py (steps, planner comparison),
+Logic in lab/kernels/tpu_compile.py (kernels) and lab/bench/tpu_compile.py (steps, planner comparison),
 settings in configs/experiment/tpu_compile.yaml. Needs libtpu (``pip install -e '.[tpu]'``); runs on a CPU host.
 
     python experiments/tpu_compile.py                                   # into outputs/tpu_compile/<date>/
@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import phaseserve.quiet  # noqa: E402, F401  (no backend-probe INFO lines)
-from phaseserve.bench import tpu_compile  # noqa: E402
+from lab.bench import tpu_compile  # noqa: E402
 
 
 @hydra.main(config_path="../configs", config_name="experiment/tpu_compile", version_base="1.3")

@@ -1,4 +1,4 @@
-"""Train the default model (Hydra entry point; the logic lives in ``phaseserve.train``).
+"""Train the default model (Hydra entry point; the logic lives in ``lab.train``).
 
     nice -n 10 python experiments/train.py                       # the shipped run (configs/train.yaml)
     python experiments/train.py steps=20 export_dir=/tmp/m results_dir=/tmp/r ckpt_dir=/tmp/ck   # smoke run
@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.train import TrainConfig, train
+from lab.train import TrainConfig, train
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)

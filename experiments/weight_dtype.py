@@ -1,6 +1,6 @@
 """Experiment entry point: weight_dtype.
 
-Logic in phaseserve/bench/weight_dtype.py, settings in configs/experiment/weight_dtype.yaml.
+Logic in lab/bench/weight_dtype.py, settings in configs/experiment/weight_dtype.yaml.
 
     python experiments/weight_dtype.py                       # the side-by-side sweep, into outputs/weight_dtype/<date>/
     python experiments/weight_dtype.py hydra.run.dir=benchmarks/weight_dtype
@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from phaseserve.bench import setup_jax, weight_dtype
+from lab.bench import setup_jax, weight_dtype
 
 
 @hydra.main(config_path="../configs", config_name="experiment/weight_dtype", version_base="1.3")

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lab.data.corpus import Mixture, eval_windows
 from phaseserve.config import ModelConfig, to_dtype
-from phaseserve.data.corpus import Mixture, eval_windows
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import MAX_PROMPT_TOKENS, examples
 from phaseserve.model.loader import hf_sources, leaf_path
@@ -281,8 +281,8 @@ def make_eval(cfg: ModelConfig, tool_calls: int = 0, max_tokens: int = 160):
     (completions of single requests); with ``tool_calls`` > 0 also greedy generation on that many held-out
     requests (:func:`tool_eval_examples`): ``tool_exact``, ``tool_validity``, ``tool_args`` (argument accuracy)
     and ``tool_exact_<kind>``."""
-    from phaseserve.eval.cached_decode import cached_greedy_generate_fn
-    from phaseserve.eval.generation import evaluate_tool_calls
+    from lab.eval.cached_decode import cached_greedy_generate_fn
+    from lab.eval.generation import evaluate_tool_calls
 
     seq_len = min(256, cfg.max_position_embeddings)
     text = eval_windows("heldout", seq_len, num=32)
@@ -568,8 +568,8 @@ def final_summary(summary: dict) -> list[str]:
 
 def finish(c: TrainConfig, params: Params, history: dict, log=print) -> dict:
     """Export the trained model, reload it the way users do and evaluate the shipped (exported) weights."""
-    from phaseserve.eval.cached_decode import cached_greedy_generate_fn
-    from phaseserve.eval.generation import evaluate_tool_calls, heldout_perplexity
+    from lab.eval.cached_decode import cached_greedy_generate_fn
+    from lab.eval.generation import evaluate_tool_calls, heldout_perplexity
     from phaseserve.quant.loader import load_checkpoint
 
     out = export_hf(params, c.model, c.export_dir, c.export_dtype)

@@ -65,7 +65,7 @@ def _take_rows(flat: jax.Array, rows: jax.Array) -> jax.Array:
         return flat[rows]
     bits = jnp.dtype(f"uint{8 * flat.dtype.itemsize}")
     # chosen per lowering platform, not by jax.default_backend(): a CPU process compiling for TPU (deviceless,
-    # pallas_kernels.tpu_compile) got the CPU branch, a pool-sized bitcast copy per layer on the TPU
+    # lab.kernels.tpu_compile) got the CPU branch, a pool-sized bitcast copy per layer on the TPU
     return jax.lax.platform_dependent(
         cpu=lambda: jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(flat, bits)[rows], flat.dtype),
         default=lambda: flat[rows])

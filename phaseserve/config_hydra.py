@@ -9,7 +9,7 @@ or a wrong type is an error at composition time::
     cache:    CacheSpec      -> CacheConfig   (+ ``kv_budget_requests``: size the byte budget by the workload)
     mesh:     MeshSpec       -> MeshConfig    (+ ``host_devices``: simulated CPU devices)
     engine:   EngineSpec     -> ServeConfig's mode, max_batch, max_prefill_tokens, max_context, seed
-    workload: WorkloadSpec   lengths, arrivals, concurrency (played by :mod:`phaseserve.bench.workload`)
+    workload: WorkloadSpec   lengths, arrivals, concurrency (played by :mod:`lab.bench.workload`)
     experiment: free-form    validated by each experiment against its own dataclass (``bench.schema``)
 
 Sweep axes. A few fields accept either one value or a list: ``quant.kv``, ``quant.prefill_weights``,
@@ -20,7 +20,7 @@ workload.concurrency=1,8``). :func:`serve_config_from_hydra` needs single values
 
 This module sits beside the configs, below the engine: ``Engine.from_hydra`` calls
 :func:`serve_config_from_hydra`, and the engine itself imports no Hydra. The experiment harness
-(``phaseserve.bench``) builds on it.
+(``lab.bench``) builds on it.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def max_length(spec: LengthSpec | Any) -> int:
 
 @dataclass
 class WorkloadSpec:
-    """What clients send (:mod:`phaseserve.bench.workload`)."""
+    """What clients send (:mod:`lab.bench.workload`)."""
 
     name: str = "workload"
     prompt: LengthSpec = field(default_factory=LengthSpec)

@@ -21,18 +21,14 @@ Nothing here is downloaded: the dicts are transcribed (abridged to the keys phas
 - ``qwen3-30b-a3b``: Qwen/Qwen3-30B-A3B ``config.json``.
 - ``moonlight-16b-a3b``: moonshotai/Moonlight-16B-A3B ``config.json`` (Kimi's architecture at one-GPU size).
 
-Published checkpoint sizes (:data:`PUBLISHED`) are entries of the one registry, :mod:`phaseserve.figures` (values,
-units and sources there), read under its one GB rule: a published "GB" is GiB. GLM-5's FP8 (705) and INT4 (421)
-sizes fit that reading; Kimi K2.6's 595 GB and GLM-5.2 BF16's 1507 GB fit only the decimal one, which
-:func:`phaseserve.figures.reading_note` reports instead of re-reading them.
+The published checkpoint sizes these shapes are checked against (:data:`lab.planner.published.PUBLISHED`) and
+their registry (:mod:`lab.figures`) live in the lab package, beside the reports that read them.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
-from phaseserve import figures
 from phaseserve.config import ModelConfig
 
 _KIMI_TEXT = {
@@ -145,33 +141,6 @@ TINY: dict[str, dict] = {
 # inside the MTP layer (685B = 671B + 14B); GLM's MTP layer shares them (GLM-5-FP8's 753.9B = 744B + one
 # layer + eh_proj + fp8 scales).
 MTP_EMBEDDING_COPIES: dict[str, bool] = {"deepseek-v3": True, "glm-5": False, "glm-4.5": False}
-
-
-@dataclass(frozen=True)
-class Published:
-    """A published checkpoint size: a :mod:`phaseserve.figures` entry, in GiB under the GB rule."""
-
-    figure: str  # id in phaseserve.figures
-
-    @property
-    def gib(self) -> float:
-        return figures.gib(self.figure)
-
-    @property
-    def source(self) -> str:
-        return figures.figure(self.figure).source
-
-    def reading_note(self, counted_gib: float) -> str:
-        """'' if the count fits the GB rule; else which reading of "GB" the figure fits."""
-        return figures.reading_note(self.figure, counted_gib)
-
-
-PUBLISHED: dict[tuple[str, str], Published] = {
-    ("glm-5", "glm-fp8"): Published("glm5.checkpoint.fp8"),
-    ("glm-5", "kimi-int4"): Published("glm5.checkpoint.int4"),
-    ("glm-5", "bfloat16"): Published("glm52.checkpoint.bf16"),
-    ("kimi-k2.6", "kimi-int4"): Published("kimi.checkpoint"),
-}
 
 
 def preset(name: str) -> dict:

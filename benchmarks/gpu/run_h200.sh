@@ -2,7 +2,7 @@
 # One-GPU (H200) recipe, for one call of the lent device (10 minutes). Stages, each time-boxed with `timeout` so a
 # failure or hang in one still leaves the others' output, all written under $OUT (default ./gpu_out):
 #   1. kernel checks: every Pallas kernel compiled (impl="pallas", not interpret) against its reference
-#      (python -m pallas_kernels.device_check)                                   -> $OUT/kernel_checks.{txt,json}
+#      (python -m lab.kernels.device_check)                                     -> $OUT/kernel_checks.{txt,json}
 #   2. kernel benchmark against the measured copy bandwidth / matmul rate       -> $OUT/kernels.{md,txt}
 #   3. the experiments on the shipped model, engine kernels chosen for the platform (reproduce.py: kv_dtype,
 #      integrity, capacity; EXPERIMENTS / EXP_OVERRIDES_USER replace the selection / overrides)
@@ -53,8 +53,8 @@ FAILED=0
   "$PY" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"; } 2>&1 \
   | tee "$OUT/machine.txt"
 stage kernel_checks "$S1" "$OUT/kernel_checks.txt" \
-  "$PY" -m pallas_kernels.device_check $SMOKE_FLAG --out "$OUT/kernel_checks.json"
-stage kernel_bench "$S2" "$OUT/kernels.txt" "$PY" -m pallas_kernels.bench $SMOKE_FLAG --out "$OUT/kernels.md"
+  "$PY" -m lab.kernels.device_check $SMOKE_FLAG --out "$OUT/kernel_checks.json"
+stage kernel_bench "$S2" "$OUT/kernels.txt" "$PY" -m lab.kernels.bench $SMOKE_FLAG --out "$OUT/kernels.md"
 stage experiments "$S3" "$OUT/reproduce.txt" "$PY" experiments/reproduce.py hydra.run.dir="$OUT/reproduce" \
   "$EXPERIMENTS" "${EXP_OVERRIDES_USER:-$EXP_OVERRIDES}"
 echo "done: $(tr '\n' ';' < "$OUT/stages.txt") failed stages: $FAILED"

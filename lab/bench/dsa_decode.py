@@ -13,7 +13,7 @@ Top-k agreement: the same index keys (a random GLM-5 indexer layer applied to ra
 RoPE included) quantized to FP8 (per-token scale, as the cache stores them) vs rounded to BF16, queries from the
 same layer; reported as the mean overlap |A n B| / k and the fraction of queries with identical sets.
 
-    python -m phaseserve.bench.dsa_decode [out_dir]      # prints the table, writes dsa_decode.json there
+    python -m lab.bench.dsa_decode [out_dir]      # prints the table, writes dsa_decode.json there
 """
 
 from __future__ import annotations

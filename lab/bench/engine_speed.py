@@ -5,7 +5,7 @@ Both sides run in one process on the same checkpoint (a checkpoint directory, or
 saved as one, so both read identical float32 tensors), on the same prompts (held-out text for the shipped model,
 random ids otherwise), greedy, ``new_tokens`` per request, ``ignore_eos``. For every batch size and repeat the two
 arms run back to back, their order rotated per repeat; each (arm, batch) is warmed up on the same shapes first, and
-an engine run during which JAX compiled is discarded and run again (:func:`~phaseserve.bench.measure.compile_free`).
+an engine run during which JAX compiled is discarded and run again (:func:`~lab.bench.measure.compile_free`).
 
 What is timed, per run:
 
@@ -47,11 +47,11 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from phaseserve.bench import report as rp
-from phaseserve.bench.measure import CompileCounter, aggregate, compile_free, environment, paired, rotated, stats
+from lab.bench import report as rp
+from lab.bench.measure import CompileCounter, aggregate, compile_free, environment, paired, rotated, stats
+from lab.markdown import fmt
 from phaseserve.config_hydra import as_list, hf_dict, repo_path, serve_config, to_container
 from phaseserve.engine import Engine, ReplicatedEngine, Request
-from phaseserve.markdown import fmt
 
 HF = "transformers"
 SHARED, SIZED, REPLICAS = "phaseserve", "phaseserve, pool sized to the batch", "phaseserve, replicas"
@@ -86,7 +86,7 @@ def prompts(cfg: DictConfig, vocab: int, n: int, length: int, seed: int) -> list
     """``n`` prompts of ``length`` tokens: held-out text windows for a checkpoint of the shipped tokenizer (its
     logits are not near-tied), random ids otherwise."""
     if cfg.model.get("checkpoint") and vocab == 264:
-        from phaseserve.data.corpus import eval_windows
+        from lab.data.corpus import eval_windows
 
         w = eval_windows("heldout", length, num=n + seed)[seed:, :length]
         return [list(map(int, r)) for r in w]

@@ -2,7 +2,7 @@
 
 The server (:func:`phaseserve.server.create_app`, uvicorn in a thread) runs over a :class:`StubBackend`: no model,
 each ``advance`` sleeps ``step_s`` (a device step that holds no CPU and releases the interpreter lock) and gives
-every running request one token. The official ``openai`` client (:class:`phaseserve.bench.http_load.Client`, its
+every running request one token. The official ``openai`` client (:class:`lab.bench.http_load.Client`, its
 own process) streams ``requests`` completions of ``tokens`` tokens, ``concurrency`` at a time. The server process's
 CPU time during a run is then the HTTP layer's (request parsing and validation, the engine loop's hand-over,
 text decoding, SSE encoding, socket writes) plus the stub's bookkeeping, which is a few list appends per step.
@@ -11,7 +11,7 @@ For each ``stream_interval`` (tokens per event) it reports the server CPU second
 per-event and a per-request cost by a straight-line fit (CPU per request = fixed + per_event x events per request).
 With ``cpus`` the client runs on the first set and every server thread on the second, as in ``http_load``.
 
-    python -m phaseserve.bench.http_cost --out benchmarks/http/frontend_cost --client-cpus 1
+    python -m lab.bench.http_cost --out benchmarks/http/frontend_cost --client-cpus 1
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from phaseserve.bench.http_load import Client, pin_process, split_cpus
-from phaseserve.bench.measure import environment, stats
-from phaseserve.bench.report import spread
+from lab.bench.http_load import Client, pin_process, split_cpus
+from lab.bench.measure import environment, stats
+from lab.bench.report import spread
+from lab.markdown import fmt
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine.request import Limits, Request, RequestOutput
-from phaseserve.markdown import fmt
 
 
 class StubBackend:
@@ -148,7 +148,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"request one token), driven by the `openai` client: {s['requests']} streamed completions of "
              f"{s['tokens']} tokens ({s['prompt_len']}-token prompts), {s['concurrency']} at a time; {where}; uvicorn "
              f"with {res['http_stack']['loop']} and {res['http_stack']['http']}. Server CPU is the server process's "
-             f"CPU time during a run (`python -m phaseserve.bench.http_cost`). Medians [min, max] of "
+             f"CPU time during a run (`python -m lab.bench.http_cost`). Medians [min, max] of "
              f"{s['repeats']} runs per interval, intervals interleaved.", "",
              "| tokens per event | writes per request | server CPU ms per request | client CPU ms per request | "
              "run wall s |", "|---|---|---|---|---|"]

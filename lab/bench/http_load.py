@@ -5,7 +5,7 @@ One engine (the configured representation, e.g. the kv_dtype / weight_dtype / in
 groups) is warmed up, then served over HTTP (:mod:`phaseserve.server`, uvicorn in a thread of this process, on
 127.0.0.1). For each concurrency and repeat, the same requests are played in each arm, order rotated:
 
-- ``in-process``: :func:`phaseserve.bench.workload.drive` (closed loop) on the served engine, run by the engine
+- ``in-process``: :func:`lab.bench.workload.drive` (closed loop) on the served engine, run by the engine
   loop thread while no HTTP request is in flight (:meth:`~phaseserve.server.EngineLoop.run_exclusive`);
 - ``http``: a client process (spawned, so the client does not share this process's interpreter lock) runs
   ``AsyncOpenAI`` with ``concurrency`` streamed completions in flight (token-id prompts, ``stream_options.
@@ -75,10 +75,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from phaseserve.bench import report as rp
-from phaseserve.bench.measure import aggregate, compile_free, environment, paired, rotated
-from phaseserve.bench.schema import experiment_spec
-from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests, reset_engine, warmup
+from lab.bench import report as rp
+from lab.bench.measure import aggregate, compile_free, environment, paired, rotated
+from lab.bench.schema import experiment_spec
+from lab.bench.workload import concurrencies, drive, make_requests, num_requests, reset_engine, warmup
 from phaseserve.config_hydra import to_container
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine, Request
@@ -332,7 +332,7 @@ def replay(engine: Engine, requests: list[Request], c: int, first: list[float], 
     after the client's first send), and the one replacing the ``k``-th to finish ``later[k]`` s after that finish
     (the server received the ``(c + k)``-th that long after the engine's ``k``-th finish: back to the client, its
     next request, to the server's handler). Due requests are added before each step, as the server's engine loop
-    reads its inbox. The engine's summary, as :func:`~phaseserve.bench.workload.drive` returns it."""
+    reads its inbox. The engine's summary, as :func:`~lab.bench.workload.drive` returns it."""
     reset_engine(engine, max_batch=c)
     pending, outs, due = deque(requests), [], []
     m = engine.metrics

@@ -10,10 +10,10 @@ check before every decode step, the per-row ok mask and finite guard inside it),
 no tracker at all), so ``off`` and ``noop`` are two independently built engines on the same code path: their
 paired difference is an A/A measurement of the noise floor, against which the ``on`` overhead is judged.
 Throughput and p95 end-to-end latency deltas are paired within each repeat and judged through the bootstrap
-confidence interval of their median against the published 1% bound (:func:`phaseserve.bench.verdict.bound`); the
+confidence interval of their median against the published 1% bound (:func:`lab.bench.verdict.bound`); the
 A/A ratio is reported beside them as the measured noise.
 
-Fault matrix: each fault of :class:`~phaseserve.cache.faults.FaultInjector` is injected into a live batch (a
+Fault matrix: each fault of :class:`~lab.faults.FaultInjector` is injected into a live batch (a
 fault hook before the ``inject_at_step``-th decode step, one victim request), with the tracker on and with the
 no-op tracker. Counted for victims only: injected, detected (the victim ends ``aborted`` with a
 ``KVIntegrityError``), missed; false positives are other requests aborted. Also recorded: whether a missed
@@ -31,11 +31,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from phaseserve import figures
-from phaseserve.bench import publish
-from phaseserve.bench import report as rp
-from phaseserve.bench import verdict as vd
-from phaseserve.bench.measure import (
+from lab import figures
+from lab.bench import publish
+from lab.bench import report as rp
+from lab.bench import verdict as vd
+from lab.bench.measure import (
     Arm,
     aggregate,
     build_engines,
@@ -45,10 +45,10 @@ from phaseserve.bench.measure import (
     progress_bar,
     stats,
 )
-from phaseserve.bench.operating_point import regime_lines
-from phaseserve.bench.schema import experiment_spec
-from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
-from phaseserve.cache.faults import FaultInjector
+from lab.bench.operating_point import regime_lines
+from lab.bench.schema import experiment_spec
+from lab.bench.workload import concurrencies, drive, make_requests, num_requests
+from lab.faults import FaultInjector
 from phaseserve.cache.integrity import KVIntegrityError
 from phaseserve.config_hydra import as_list, load_model, to_container
 

@@ -1,6 +1,6 @@
 """Experiment 1: BF16 vs FP8 decode KV cache under ONE fixed KV byte budget, across offered concurrency.
 
-Published shape (Kimi K2.6, 8xH200; figures in :mod:`phaseserve.figures`): FP8 KV halves the cache; under one
+Published shape (Kimi K2.6, 8xH200; figures in :mod:`lab.figures`): FP8 KV halves the cache; under one
 memory budget BF16 tops out at 32 concurrent requests (1,558 tok/s) while FP8 admits 64 (2,192 tok/s): about +41%
 throughput at the system peak and about 30% lower cost per token.
 
@@ -10,7 +10,7 @@ sweep over ``workload.concurrency`` (offered concurrency), arms interleaved; the
 actually admits (peak running rows); an admission probe at twice the largest offered load (where each dtype
 runs out of pages); the peak-vs-peak throughput gain and the relative cost per token (cost ∝ 1/throughput on
 fixed hardware). The peak gain is the median over repeats of (each dtype's best point in that repeat) ratio,
-with its bootstrap interval and range (:mod:`phaseserve.bench.verdict`).
+with its bootstrap interval and range (:mod:`lab.bench.verdict`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from phaseserve import figures
-from phaseserve.bench import publish
-from phaseserve.bench import report as rp
-from phaseserve.bench import verdict as vd
-from phaseserve.bench.measure import Arm, aggregate, build_engines, dig, environment, interleaved, paired, stats
-from phaseserve.bench.operating_point import apply_operating_point
-from phaseserve.bench.schema import experiment_spec
-from phaseserve.bench.workload import concurrencies, drive, make_requests, max_length, num_requests, probe_admission
+from lab import figures
+from lab.bench import publish
+from lab.bench import report as rp
+from lab.bench import verdict as vd
+from lab.bench.measure import Arm, aggregate, build_engines, dig, environment, interleaved, paired, stats
+from lab.bench.operating_point import apply_operating_point
+from lab.bench.schema import experiment_spec
+from lab.bench.workload import concurrencies, drive, make_requests, max_length, num_requests, probe_admission
 from phaseserve.cache.paged import kv_bytes_per_page, kv_bytes_per_token
 from phaseserve.config import ConfigError, canonical_dtype
 from phaseserve.config_hydra import as_list, budget_bytes_for_requests, load_model, pages_per_request, to_container

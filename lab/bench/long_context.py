@@ -20,7 +20,7 @@ its peak RSS; chunked vs unchunked greedy tokens at 2K (float32 equality, FP8 KV
 90%-shared prompt (prefix reuse skipping compute) against a miss.
 
 ``python experiments/long_context.py hydra.run.dir=benchmarks/long_context`` (or ``python -m
-phaseserve.bench.long_context [--out DIR]``) prints the table and writes ``long_context.json`` and ``long_context.md``.
+lab.bench.long_context [--out DIR]``) prints the table and writes ``long_context.json`` and ``long_context.md``.
 """
 
 from __future__ import annotations
@@ -269,9 +269,9 @@ def _peak_rss_so_far(pid: int) -> int | None:
 
 
 def _run_child(args: list[str], box_s: float) -> tuple[list[dict], str, int | None]:
-    """``python -m phaseserve.bench.long_context *args`` killed after ``box_s`` seconds: (the JSON lines it printed,
+    """``python -m lab.bench.long_context *args`` killed after ``box_s`` seconds: (the JSON lines it printed,
     status, its peak RSS at the kill or None)."""
-    cmd = [sys.executable, "-m", "phaseserve.bench.long_context", *args]
+    cmd = [sys.executable, "-m", "lab.bench.long_context", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial = None
     try:
@@ -407,7 +407,7 @@ def run_and_write(points: list[tuple[str, int, float]], out: Path, log=print, en
 
 def run(cfg, out_dir: str) -> dict:
     """Hydra entry (experiments/long_context.py): the points of ``cfg.experiment``."""
-    from phaseserve.bench.schema import experiment_spec
+    from lab.bench.schema import experiment_spec
 
     spec = experiment_spec(cfg, LongContextSpec)
     return run_and_write([parse_point(p) for p in spec.points], Path(out_dir), engine=spec.engine)

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from phaseserve.bench.schema import with_overrides
-from phaseserve.bench.workload import check_fits, warmup
+from lab.bench.schema import with_overrides
+from lab.bench.workload import check_fits, warmup
 from phaseserve.config_hydra import REPO_ROOT, serve_config
 from phaseserve.engine import Engine
 

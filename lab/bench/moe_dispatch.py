@@ -8,7 +8,7 @@ assignments in one batched FFN over all experts, the overflow through the blocks
 [min, max]), the per-repeat ratio capacity / blocks, and the largest difference of the two outputs relative to the
 output's scale (the arms differ only in where each assignment's FFN runs).
 
-    python -m phaseserve.bench.moe_dispatch --out benchmarks/engine/moe_dispatch/xeon_260mb
+    python -m lab.bench.moe_dispatch --out benchmarks/engine/moe_dispatch/xeon_260mb
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from phaseserve.bench.measure import environment, stats
-from phaseserve.bench.profile_decode import MODELS, model_config, write
-from phaseserve.bench.report import environment_section, markdown_table, spread
+from lab.bench.measure import environment, stats
+from lab.bench.profile_decode import MODELS, model_config, write
+from lab.bench.report import environment_section, markdown_table, spread
 from phaseserve.config import ModelConfig
 from phaseserve.model import moe as M
 from phaseserve.model.params import MoEParams, init_params

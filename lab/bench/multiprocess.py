@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from phaseserve.bench import report as rp
-from phaseserve.bench.measure import aggregate, environment, paired, rotated
+from lab.bench import report as rp
+from lab.bench.measure import aggregate, environment, paired, rotated
+from lab.markdown import fmt
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import canonical_dtype
 from phaseserve.config_hydra import as_list, serve_config, to_container
 from phaseserve.engine import Engine, Request
-from phaseserve.markdown import fmt
 
 ARMS = ["one process", "two processes"]
 WIRE_LENGTHS = [5, 16, 27, 32, 40]  # a partly filled last page, exact pages (page size 16)

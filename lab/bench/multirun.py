@@ -19,7 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from phaseserve.bench import report as rp
+from lab.bench import report as rp
 
 COLUMNS = [("steady_tok_per_s", "sustained tok/s"), ("output_tok_per_s", "end-to-end tok/s"),
            ("decode_tok_per_s", "decode-step tok/s"), ("prefill_tok_per_s", "prefill tok/s"),

@@ -9,7 +9,7 @@ hoisted out of the loop. Each repeat times both sides, each after one untimed ru
 alternating; ms per call are medians [min, max] over the repeats, and the ratio XLA / torch is paired within a
 repeat (above 1: XLA is slower).
 
-    python -m phaseserve.bench.op_compare --out benchmarks/engine/op_compare/xeon_260mb
+    python -m lab.bench.op_compare --out benchmarks/engine/op_compare/xeon_260mb
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lab.bench.measure import environment, stats
+from lab.bench.profile_decode import model_config, write
+from lab.bench.report import environment_section, markdown_table, spread
 from pallas_kernels.flash_prefill import flash_prefill_reference
 from pallas_kernels.mla_attention import mla_decode_attention_reference
-from phaseserve.bench.measure import environment, stats
-from phaseserve.bench.profile_decode import model_config, write
-from phaseserve.bench.report import environment_section, markdown_table, spread
 from phaseserve.config import ModelConfig
 
 SM_SCALE = 0.1

@@ -11,7 +11,7 @@ with the batch (compute- or overhead-bound). This experiment measures where each
 - the engine's real decode step (:meth:`phaseserve.engine.workers.DecodeWorker.step`: the integrity check, the
   jitted step with the donated pool, the host transfer) at batch 1..64, every row holding ``context`` cached
   tokens, for the shipped model and random-weight models of the default architecture scaled up, in float32 and
-  BF16 weights (arms interleaved, repeats with the order rotated: :func:`phaseserve.bench.measure.interleaved`);
+  BF16 weights (arms interleaved, repeats with the order rotated: :func:`lab.bench.measure.interleaved`);
 - per curve: the doubling gain ``2 t(B) / t(2B)`` (the throughput a 2x batch buys: 2.0 when the step is flat,
   1.0 when it is linear), the measured ridge ``t(1) / slope`` (the batch at which the step's per-row cost, the
   slope of its tail, adds up to its fixed cost) and the roofline ridge from the measured rates;
@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from phaseserve.bench import publish
-from phaseserve.bench import report as rp
-from phaseserve.bench import verdict as vd
-from phaseserve.bench.measure import aggregate, environment, interleaved, stats
-from phaseserve.bench.schema import experiment_spec, with_overrides
+from lab.bench import publish
+from lab.bench import report as rp
+from lab.bench import verdict as vd
+from lab.bench.measure import aggregate, environment, interleaved, stats
+from lab.bench.schema import experiment_spec, with_overrides
 from phaseserve.config_hydra import REPO_ROOT, load_model, repo_path, serve_config, to_container
 
 CURVE = "benchmarks/operating_point/results.json"  # the committed curve other experiments read

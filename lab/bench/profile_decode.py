@@ -29,7 +29,7 @@ size, a fixed real context (``context`` tokens per row), a pool of ``pool_factor
 (plus the null page). Times are medians over ``steps`` profiled steps, in ms per step.
 :func:`pool_growth` times the step at a pool 1x and 100x the batch's pages at the same context (interleaved).
 
-    python -m phaseserve.bench.profile_decode --out benchmarks/engine/profile_before
+    python -m lab.bench.profile_decode --out benchmarks/engine/profile_before
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import OmegaConf
 
-from phaseserve.bench.measure import environment
+from lab.bench.measure import environment
+from lab.markdown import fmt
 from phaseserve.cache.integrity import IntegrityTracker, check_tags
 from phaseserve.cache.paged import as_stored, init_pool
 from phaseserve.config import ModelConfig
 from phaseserve.config_hydra import repo_path
 from phaseserve.engine.decode import DecodeBatch, decode_step
-from phaseserve.markdown import fmt
 from phaseserve.model.params import init_params, param_count
 
 MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml"}
@@ -269,7 +269,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Decode step profile: {result['label']}", "",
              "ms per step (median of the profiled steps) by component: op time summed over XLA's threads, from XLA's "
              "per-op trace on this machine; `wall` is the step's wall time "
-             "(`python -m phaseserve.bench.profile_decode`; grouping rules in the module docstring). "
+             "(`python -m lab.bench.profile_decode`; grouping rules in the module docstring). "
              f"Context {result['context']} tokens per row, float32 weights, {result['kv']} KV, pool sized to the "
              "batch. "
              f"Load average at start {result['environment']['load_average_1m_5m_15m']} on "
@@ -308,7 +308,7 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     lines = [f"# {step} profile: {before['label']} -> {after['label']}", "",
              "ms per step by component (op time summed over XLA's threads; `wall` is the step's wall time), "
              "before -> after, from the two committed JSON files; grouping rules in "
-             "`phaseserve/bench/profile_decode.py`. Load average at start: before "
+             "`lab/bench/profile_decode.py`. Load average at start: before "
              f"{before['environment']['load_average_1m_5m_15m']}, after "
              f"{after['environment']['load_average_1m_5m_15m']} on {after['environment']['cpu_cores']} cores "
              "(a shared machine: absolute times move with the load).",

@@ -3,13 +3,13 @@
 The compiled chunk step (``engine.prefill.chunk_step``, pool donated, as ``engine.workers.PrefillWorker`` jits it on
 one device) runs a batch of ``batch`` prompts of ``chunk`` tokens each, every row's first chunk (the cached
 prefix is empty), under ``jax.profiler``; each executed op is attributed to a component by its name scope as in
-:mod:`phaseserve.bench.profile_decode` (attention: the flash prefill and the keys read back from the pool;
+:mod:`lab.bench.profile_decode` (attention: the flash prefill and the keys read back from the pool;
 page writes: the chunk's KV into its pages; MoE dispatch; dense projections; sampling of the first token; rest).
 Integrity has no prefill-side op. Times are op time summed over XLA's worker threads (medians over ``steps``
 profiled steps, ms per step); ``wall`` is the step's wall time. The batch x chunk tokens are what one
 ``max_prefill_tokens`` step holds (2048 by default: 16 prompts of 128 tokens).
 
-    python -m phaseserve.bench.profile_prefill --out benchmarks/engine/profile/prefill --top 15
+    python -m lab.bench.profile_prefill --out benchmarks/engine/profile/prefill --top 15
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from phaseserve.bench.measure import environment
-from phaseserve.bench.profile_decode import COMPONENTS, MODELS, compare, model_config, op_profile, random_pool, write
+from lab.bench.measure import environment
+from lab.bench.profile_decode import COMPONENTS, MODELS, compare, model_config, op_profile, random_pool, write
+from lab.markdown import fmt
 from phaseserve.config import ModelConfig
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
-from phaseserve.markdown import fmt
 from phaseserve.model.params import init_params
 
 
@@ -74,7 +74,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Prefill chunk step profile: {result['label']}", "",
              "ms per chunk step (median of the profiled steps) by component: op time summed over XLA's threads, from "
              "XLA's per-op trace on this machine; `wall` is the step's wall time (`python -m "
-             "phaseserve.bench.profile_prefill`; grouping rules in `phaseserve/bench/profile_decode.py`). Each row: "
+             "lab.bench.profile_prefill`; grouping rules in `lab/bench/profile_decode.py`). Each row: "
              "`batch` prompts' first chunks of `chunk` tokens in one step, float32 weights and prefill KV. "
              f"Machine: {env.get('machine')} ({env.get('cpu_detail', '')}), {env.get('cpu_cores')} cores, load "
              f"average at start {env['load_average_1m_5m_15m']}; commit {env.get('git_commit')}.", ""]

@@ -4,13 +4,13 @@ Every experiment module (``kv_dtype``, ``weight_dtype``, ``integrity``, ``reprod
 
 - ``run(cfg, out_dir)`` measures and returns the *raw* results (settings, environment, engine facts, every record);
 - ``summarize(results)`` derives everything else from them (aggregates, paired ratios with bootstrap intervals,
-  headline, :class:`~phaseserve.bench.verdict.Verdict` list), ``plots(out_dir, results, summary)`` draws, and
+  headline, :class:`~lab.bench.verdict.Verdict` list), ``plots(out_dir, results, summary)`` draws, and
   ``markdown(results, summary, plots)`` writes the report.
 
 :func:`publish` writes ``results.json`` (raw + ``summary``), ``README.md``, ``config.yaml`` and the plots, and
 logs the verdict lines and the run directory last. :func:`render` does the same from a committed
 ``results.json`` without measuring anything: a change of wording, of a verdict rule or of a plot reruns nothing
-(``python -m phaseserve.bench.publish benchmarks/kv_dtype benchmarks/weight_dtype benchmarks/integrity
+(``python -m lab.bench.publish benchmarks/kv_dtype benchmarks/weight_dtype benchmarks/integrity
  benchmarks/reproduce``).
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from phaseserve.bench import report as rp
-from phaseserve.bench.verdict import final_lines
+from lab.bench import report as rp
+from lab.bench.verdict import final_lines
 
 
 def publish(out_dir: str | Path, results: dict, module: ModuleType, cfg: DictConfig | None = None,
@@ -52,7 +52,7 @@ def render(out_dir: str | Path, module: ModuleType, log=print) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m phaseserve.bench.publish DIR [DIR ...]``: re-render each experiment directory from its JSON."""
+    """``python -m lab.bench.publish DIR [DIR ...]``: re-render each experiment directory from its JSON."""
     import argparse
     import importlib
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dirs", nargs="+", help="directories holding an experiment's results.json")
     for d in ap.parse_args(argv).dirs:
         name = json.loads((Path(d) / "results.json").read_text())["experiment"]
-        render(d, importlib.import_module(f"phaseserve.bench.{name}"))
+        render(d, importlib.import_module(f"lab.bench.{name}"))
 
 
 if __name__ == "__main__":

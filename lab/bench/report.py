@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from lab.markdown import fmt, table
 from phaseserve.kernel_mesh import provenance_rows
-from phaseserve.markdown import fmt, table
 
 
 def _jsonable(x: Any) -> Any:
@@ -85,7 +85,7 @@ def pct_spread(st: dict) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """:func:`phaseserve.markdown.table` with the headers first (the one writer; cells through :func:`fmt`)."""
+    """:func:`lab.markdown.table` with the headers first (the one writer; cells through :func:`fmt`)."""
     return table(rows, headers)
 
 
@@ -190,7 +190,7 @@ def bar_plot(path: Path, groups: list[str], bars: dict[str, tuple[list, list | N
 
 
 def metric_series(agg: dict, metric: str, arms: list[str], points: list) -> dict:
-    """Line-plot series of one metric from :func:`~phaseserve.bench.measure.aggregate` output."""
+    """Line-plot series of one metric from :func:`~lab.bench.measure.aggregate` output."""
     out = {}
     for arm in arms:
         sts = [agg.get(arm, {}).get(p, {}).get(metric, {}) for p in points]

@@ -7,7 +7,7 @@ from ``experiments/capacity.py`` (another module's entry point, imported and cal
 ``configs/capacity.yaml``; its ``write_to`` is forced to null so nothing outside the output directory is written).
 The combined ``results.json`` holds where each sub-result lives and the runtimes; every number of the combined
 table is computed from the sub-experiments' ``results.json`` / ``capacity.json`` by their own ``summarize``
-(published values from :mod:`phaseserve.figures`), so :func:`render` rewrites the report from committed JSON.
+(published values from :mod:`lab.figures`), so :func:`render` rewrites the report from committed JSON.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from phaseserve import figures
-from phaseserve.bench import integrity, kv_dtype, publish, weight_dtype
-from phaseserve.bench import report as rp
-from phaseserve.bench import verdict as vd
-from phaseserve.bench.measure import CompileCounter, environment
-from phaseserve.bench.schema import experiment_spec
+from lab import figures
+from lab.bench import integrity, kv_dtype, publish, weight_dtype
+from lab.bench import report as rp
+from lab.bench import verdict as vd
+from lab.bench.measure import CompileCounter, environment
+from lab.bench.schema import experiment_spec
+from lab.planner.published import ROLES, TOLERANCE
 from phaseserve.config_hydra import REPO_ROOT, repo_path
-from phaseserve.planner.published import ROLES, TOLERANCE
 
 MODULES = {"kv_dtype": kv_dtype, "weight_dtype": weight_dtype, "integrity": integrity}
 CAPACITY_SCRIPT = REPO_ROOT / "experiments" / "capacity.py"
@@ -104,7 +104,7 @@ def run_capacity(out_dir: Path, overrides: list[str]) -> bool:
 
 # ---- derived from the sub-results (re-renderable) ----------------------------------------------------------------
 def capacity_verdicts(data: dict) -> list[vd.Verdict]:
-    """One row per role of the planner's published checks (:mod:`phaseserve.planner.published`), from capacity.json."""
+    """One row per role of the planner's published checks (:mod:`lab.planner.published`), from capacity.json."""
     out = []
     for role in ROLES:
         rows = [r for r in data["published_capacity"] if r["role"] == role]
@@ -153,7 +153,7 @@ def markdown(res: dict, summary: dict, plot_files: list[str]) -> str:
     lines = ["# phaseserve: the published results, reproduced at this machine's scale", "",
              "Every ratio below was measured side by side in one process (arms interleaved, order rotated) and is "
              "judged by the 95% bootstrap confidence interval of its median over repeats "
-             "(`phaseserve/bench/verdict.py`); absolute numbers are this machine's. Published figures and sources: "
+             "(`lab/bench/verdict.py`); absolute numbers are this machine's. Published figures and sources: "
              "`docs/published.md`. Every cell is computed from the sub-reports' JSON.", "",
              f"Outcomes: {n[vd.REPRODUCED]} reproduced, {n[vd.NOT_REPRODUCED]} not reproduced, {n[vd.UNRESOLVED]} "
              "unresolved by this machine's spread.", ""]

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from phaseserve.bench import report as rp
-from phaseserve.bench.measure import environment
-from phaseserve.bench.schema import experiment_spec
+from lab.bench import report as rp
+from lab.bench.measure import environment
+from lab.bench.schema import experiment_spec
 from phaseserve.cache.integrity import KVIntegrityError
 from phaseserve.config import CacheConfig, ServeConfig
 from phaseserve.config_hydra import REPO_ROOT, serve_config_from_hydra

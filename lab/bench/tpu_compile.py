@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from pallas_kernels import tpu_compile as kernels_tpu
+from lab.kernels import tpu_compile as kernels_tpu
 from phaseserve import planner, presets
 from phaseserve.cache.integrity import IntegrityTracker, check_tags
 from phaseserve.cache.paged import init_pool, value_dtype
@@ -371,8 +371,8 @@ def rerender(out_dir: str | Path) -> dict[str, Any]:
     the engine-layout planner figures where the run predates them."""
     import json
 
-    from phaseserve.bench import tpu_compile_report as report
-    from phaseserve.bench.report import write_json
+    from lab.bench import tpu_compile_report as report
+    from lab.bench.report import write_json
 
     out = Path(out_dir)
     results = json.loads((out / "results.json").read_text())
@@ -438,9 +438,9 @@ def _git() -> str:
 def run(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
     """Compile the kernels and the steps (:class:`TpuCompileSpec`); write ``results.json``, ``README.md`` and
     ``memory_per_chip.png`` into ``out_dir``; print the summary lines. Returns the results dict."""
-    from phaseserve.bench import tpu_compile_report as report
-    from phaseserve.bench.report import write_json
-    from phaseserve.bench.schema import experiment_spec
+    from lab.bench import tpu_compile_report as report
+    from lab.bench.report import write_json
+    from lab.bench.schema import experiment_spec
 
     spec = experiment_spec(cfg, TpuCompileSpec)
     out = Path(out_dir)
@@ -478,13 +478,13 @@ def run(cfg: Any, out_dir: str | Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m phaseserve.bench.tpu_compile --rerender RUN_DIR``: README and plot again from results.json."""
+    """``python -m lab.bench.tpu_compile --rerender RUN_DIR``: README and plot again from results.json."""
     import sys
 
-    from phaseserve.bench.tpu_compile_report import summary_lines
+    from lab.bench.tpu_compile_report import summary_lines
 
     if len(argv) != 2 or argv[0] != "--rerender":
-        print("usage: python -m phaseserve.bench.tpu_compile --rerender RUN_DIR", file=sys.stderr)
+        print("usage: python -m lab.bench.tpu_compile --rerender RUN_DIR", file=sys.stderr)
         return 2
     for line in summary_lines(rerender(argv[1])):
         print(line)

@@ -1,13 +1,13 @@
 """The TPU compile experiment's report: markdown tables (kernels x generations, steps with memory per chip beside the
 planner, the difference by tensor class) and the memory-per-chip plot. Input: the ``results.json`` dict of
-:func:`phaseserve.bench.tpu_compile.run` (so a committed run re-renders without recompiling)."""
+:func:`lab.bench.tpu_compile.run` (so a committed run re-renders without recompiling)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from phaseserve.markdown import table
+from lab.markdown import table
 
 GIB, MIB = 2**30, 2**20
 

@@ -1,6 +1,6 @@
 """Computed verdicts: each published claim judged from the numbers of one run, never from fixed prose.
 
-A speed claim is judged on a paired ratio (``num / den`` within each repeat, :func:`~phaseserve.bench.measure.paired`)
+A speed claim is judged on a paired ratio (``num / den`` within each repeat, :func:`~lab.bench.measure.paired`)
 through the 95% bootstrap confidence interval of its median (``scipy.stats.bootstrap``); fewer than 3 repeats
 judge nothing (``unresolved``):
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from phaseserve.bench.report import pct
+from lab.bench.report import pct
 
 REPRODUCED, NOT_REPRODUCED, UNRESOLVED = "reproduced", "not reproduced", "unresolved"
 
@@ -26,7 +26,7 @@ REPRODUCED, NOT_REPRODUCED, UNRESOLVED = "reproduced", "not reproduced", "unreso
 class Verdict:
     claim: str  # what is compared, e.g. "INT4/FP8 decode-step tok/s at concurrency 1"
     measured: str  # the measured value with its interval / range
-    published: str  # the published value (from phaseserve.figures)
+    published: str  # the published value (from lab.figures)
     outcome: str  # REPRODUCED | NOT_REPRODUCED | UNRESOLVED (+ a short computed qualifier)
 
     def line(self) -> str:

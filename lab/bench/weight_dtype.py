@@ -1,6 +1,6 @@
 """Experiment 2: FP8 vs INT4 weights -- bytes per decode token, decode throughput across concurrency, prefill.
 
-Published shape (GLM-5.x, 8-way TP; figures in :mod:`phaseserve.figures`): INT4 weights (routed experts INT4,
+Published shape (GLM-5.x, 8-way TP; figures in :mod:`lab.figures`): INT4 weights (routed experts INT4,
 the rest BF16) instead of FP8 shrink the checkpoint 705 -> 421 GB and speed decode up (60 -> 92 tok/s at
 concurrency 1; +16% to +55% across concurrencies); prefill loses (FP8 ~10,160 prompt tok/s vs INT4 ~8,660).
 
@@ -25,14 +25,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from phaseserve import figures
-from phaseserve.bench import publish
-from phaseserve.bench import report as rp
-from phaseserve.bench import verdict as vd
-from phaseserve.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired, stats
-from phaseserve.bench.operating_point import regime_lines
-from phaseserve.bench.schema import experiment_spec
-from phaseserve.bench.workload import concurrencies, drive, make_requests, num_requests
+from lab import figures
+from lab.bench import publish
+from lab.bench import report as rp
+from lab.bench import verdict as vd
+from lab.bench.measure import Arm, aggregate, build_engines, environment, interleaved, paired, stats
+from lab.bench.operating_point import regime_lines
+from lab.bench.schema import experiment_spec
+from lab.bench.workload import concurrencies, drive, make_requests, num_requests
 from phaseserve.config_hydra import as_list, load_model, to_container
 from phaseserve.quant.size_report import size_report
 

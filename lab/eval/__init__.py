@@ -1,9 +1,9 @@
 """Quality evaluation: metrics on logits and generations, and generation-based evaluation (held-out
 perplexity, tool-call validity and exact match, greedy agreement) against a pluggable ``generate_fn``."""
 
-from phaseserve.eval.cached_decode import cached_greedy_generate_fn
-from phaseserve.eval.demo import default_model_path, show_default_model
-from phaseserve.eval.generation import (
+from lab.eval.cached_decode import cached_greedy_generate_fn
+from lab.eval.demo import default_model_path, show_default_model
+from lab.eval.generation import (
     GenerateFn,
     ToolCallReport,
     engine_generate_fn,
@@ -13,7 +13,7 @@ from phaseserve.eval.generation import (
     heldout_perplexity,
     score_tool_calls,
 )
-from phaseserve.eval.metrics import (
+from lab.eval.metrics import (
     first_divergence,
     kl_divergence,
     mean_nll,

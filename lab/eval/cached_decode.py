@@ -1,6 +1,6 @@
 """A fast reference generator: greedy decoding with a contiguous (unpaged) KV cache per row.
 
-Full recompute (:func:`phaseserve.eval.generation.greedy_generate_fn`) is the obvious oracle but costs a
+Full recompute (:func:`lab.eval.generation.greedy_generate_fn`) is the obvious oracle but costs a
 whole forward pass per generated token; on a loaded two-core CPU that is minutes for a few dozen tool calls.
 This generator runs ``ps.prefill`` once over the padded prompt buffer (its per-layer KV becomes the cache) and
 then one token per step through the model's own decode step (``transformer.decode_step``) with the reference
@@ -26,11 +26,11 @@ from functools import lru_cache, partial
 import jax
 import jax.numpy as jnp
 
+from lab.eval.generation import batched_generate_fn
 from phaseserve.cache.attend import PagedAttend
 from phaseserve.cache.paged import GQAPages, MLAPages, quantize_kv
 from phaseserve.config import ModelConfig
 from phaseserve.data.tokenizer import ByteTokenizer
-from phaseserve.eval.generation import batched_generate_fn
 from phaseserve.model import transformer
 from phaseserve.model.layers import softmax_scale
 
@@ -66,7 +66,7 @@ def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arra
 
 def cached_greedy_generate_fn(params, cfg: ModelConfig, *, stop_ids: Sequence[int] | None = None,
                               batch_size: int = 32, pad_id: int | None = None, bucket: int = 32):
-    """``GenerateFn`` (see :mod:`phaseserve.eval.generation`): greedy, cached. The jitted loop is shared by every
+    """``GenerateFn`` (see :mod:`lab.eval.generation`): greedy, cached. The jitted loop is shared by every
     generator of one (config, stop ids), so new params (e.g. evaluation during training) reuse its compilation."""
     stops = tuple(stop_ids if stop_ids is not None else cfg.eos_token_ids) or (-1,)
     pad = ByteTokenizer().pad_id if pad_id is None else pad_id

@@ -1,7 +1,7 @@
 """What the main job (``experiments/serve.py``) prints: the engine it built, what the shipped default model generates
 (a continuation of Python source and a tool call for a held-out request) and what the run measured.
 
-    python -c "from phaseserve.eval.demo import show_default_model; show_default_model()"
+    python -c "from lab.eval.demo import show_default_model; show_default_model()"
 
 - :func:`show_default_model`: generate and print the two examples with any ``GenerateFn`` (e.g. the serving engine
   via ``engine_generate_fn``; by default the cached greedy reference decoder on the float32 weights).
@@ -40,7 +40,7 @@ def show_default_model(path: str | Path | None = None, generate_fn=None, text_pr
     a held-out one is used) and ``exact`` (the parsed call equals the expected one; None without a reference)."""
     tok = ByteTokenizer()
     if generate_fn is None:
-        from phaseserve.eval.cached_decode import cached_greedy_generate_fn
+        from lab.eval.cached_decode import cached_greedy_generate_fn
         from phaseserve.quant.loader import load_checkpoint
 
         cfg, params = load_checkpoint(path or default_model_path(), "float32")

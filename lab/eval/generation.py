@@ -6,7 +6,7 @@ for each, the generated ids only (not the prompt), ending with the stop token wh
 
 - :func:`greedy_generate_fn` — the oracle: greedy decoding by full recompute with ``ps.forward`` (no
   cache) inside one jitted ``while_loop`` over a fixed padded buffer, so one compile serves a whole batch
-  (``phaseserve.eval.cached_decode.cached_greedy_generate_fn`` is the fast cached equivalent);
+  (``lab.eval.cached_decode.cached_greedy_generate_fn`` is the fast cached equivalent);
 - :func:`heldout_perplexity` — perplexity on fixed held-out windows of standard-library text;
 - :func:`evaluate_tool_calls` — tool-call validity and exact match on held-out requests;
 - :func:`generation_agreement` — token / sequence match between two generators on the same prompts.
@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lab.data.corpus import eval_windows
+from lab.eval.metrics import mean_nll, sequence_match_rate, token_match_rate
 from phaseserve.config import ModelConfig, SequenceTooLongError
-from phaseserve.data.corpus import eval_windows
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import ToolExample, parse_call
-from phaseserve.eval.metrics import mean_nll, sequence_match_rate, token_match_rate
 from phaseserve.model.transformer import forward
 
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]

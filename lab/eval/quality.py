@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import phaseserve as ps
-from phaseserve.bench.measure import bootstrap_ci
-from phaseserve.data.corpus import eval_windows, text_stream
+from lab.bench.measure import bootstrap_ci
+from lab.data.corpus import eval_windows, text_stream
+from lab.eval.cached_decode import served_logits
+from lab.eval.generation import engine_generate_fn, heldout_perplexity, score_tool_calls
+from lab.eval.metrics import kl_divergence, token_match_rate, token_nll, top1_agreement
 from phaseserve.data.toolcalls import iter_examples
-from phaseserve.eval.cached_decode import served_logits
-from phaseserve.eval.generation import engine_generate_fn, heldout_perplexity, score_tool_calls
-from phaseserve.eval.metrics import kl_divergence, token_match_rate, token_nll, top1_agreement
 from phaseserve.quant import collect_calibration, quantize_params
 
 WEIGHTS = {  # name -> policy string (engine QuantConfig weights)
@@ -326,7 +326,7 @@ def markdown(rows: dict, cfg) -> str:
         lines.append(f"| {name} | {r['ppl']:.4f} | {100 * (r['ppl'] / ref['ppl'] - 1):+.2f}% | {r['kl']:.5f} | "
                      f"{r['top1']:.4f} |")
     broken = [x for xs in rows.get("limits_broken", {}).values() for x in xs]
-    lines += ["", "Each weight representation against float32 within `LIMITS` (phaseserve/eval/quality.py): "
+    lines += ["", "Each weight representation against float32 within `LIMITS` (lab/eval/quality.py): "
               + ("every limit holds." if not broken else "; ".join(broken)), "",
               "Significant differences from float32: " + ("; ".join(_sig_rows(rows)) or "none") + "."]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """Kernel benchmark: each Pallas kernel against its XLA reference and against limits measured in the same run.
 
-``python -m pallas_kernels.bench`` on a GPU (or TPU) measures two ceilings first, a large device-to-device
+``python -m lab.kernels.bench`` on a GPU (or TPU) measures two ceilings first, a large device-to-device
 copy (read + write bytes per second) and a large BF16 matmul (FLOP/s), then times:
 
 * decode attention, batch 64 x 8K context: GQA (64 query / 8 KV heads, head_dim 128, page 64) with BF16

@@ -1,7 +1,7 @@
 """Kernel correctness on the device: every Pallas kernel, compiled (``impl="pallas"``, not interpret mode), against
 its reference at serving shapes, before anything is timed.
 
-``python -m pallas_kernels.device_check [--smoke] [--out FILE.json]`` builds fresh random inputs, runs each kernel
+``python -m lab.kernels.device_check [--smoke] [--out FILE.json]`` builds fresh random inputs, runs each kernel
 with ``impl="pallas"`` and ``interpret=None`` and ``target=None`` (so the body is the one for the platform the
 call lowers for: Triton on a GPU, Mosaic on a TPU; on a CPU, interpret mode), compares with the kernel's
 reference by relative Frobenius error (float32: 1e-5, which only holds with exact f32 dots; bf16: 1e-2), and

@@ -1,6 +1,6 @@
 """Deviceless GPU compile: every Pallas (Triton) kernel compiled by XLA:GPU for a described GPU, from a CPU host.
 
-The CUDA analogue of :mod:`pallas_kernels.tpu_compile`. It needs JAX's CUDA plugin (``pip install
+The CUDA analogue of :mod:`lab.kernels.tpu_compile`. It needs JAX's CUDA plugin (``pip install
 "jax-cuda12-plugin==<jax version>"``; not a dependency of this project, and best kept out of an environment that
 runs the CPU test suite) and a GPU target description: XLA ships one per GPU as a ``GpuTargetConfigProto`` text file
 (``xla/backends/gpu/target_config/specs/h100_sxm.txtpb``, ``h200.txtpb``, ``b200.txtpb`` in the openxla/xla
@@ -8,9 +8,9 @@ repository). ``jax.experimental.topologies.get_topology_desc("name", "cuda", tar
 topology="1x1x8")`` then gives compile-only CUDA devices, and ``jax.jit(f).lower(*abstract).compile()`` runs XLA:GPU
 and the Triton pipeline on them, shared-memory limits included::
 
-    JAX_PLATFORMS=cpu python -m pallas_kernels.gpu_compile --target-config h100_sxm.txtpb
+    JAX_PLATFORMS=cpu python -m lab.kernels.gpu_compile --target-config h100_sxm.txtpb
 
-prints one line per kernel case of :func:`pallas_kernels.lowering.cases` and exits 1 if any compile fails. What it
+prints one line per kernel case of :func:`lab.kernels.lowering.cases` and exits 1 if any compile fails. What it
 found first (docs/tpu_compile.md): the f32 sparse-MLA case asked for 324 KiB of shared memory, over an H100's 227 KiB.
 """
 
@@ -24,7 +24,7 @@ import jax
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from pallas_kernels import lowering
+from lab.kernels import lowering
 
 
 def gpu_devices(target_config: str, topology: str = "1x1x1") -> list:

@@ -1,6 +1,6 @@
 """Lowering check: export every Pallas kernel for TPU and CUDA from a CPU-only machine.
 
-``python -m pallas_kernels.lowering`` traces each kernel at serving-sized shapes with ``impl="pallas"``,
+``python -m lab.kernels.lowering`` traces each kernel at serving-sized shapes with ``impl="pallas"``,
 ``interpret=False`` and the matching ``target``, runs ``jax.export`` with ``platforms=["tpu"]`` (Mosaic TPU:
 block-shape and tiling rules are checked here, not in interpret mode) and ``platforms=["cuda"]`` (Pallas
 Triton; its custom call is not on jax.export's stable list, hence the ``disabled_checks`` entry), and

@@ -1,10 +1,10 @@
 """TPU compile check: every Pallas kernel compiled by the real TPU compiler on deviceless TPU chips, from a CPU host.
 
-``jax.export`` (:mod:`pallas_kernels.lowering`) stops before the TPU compiler. With ``libtpu`` installed (the
+``jax.export`` (:mod:`lab.kernels.lowering`) stops before the TPU compiler. With ``libtpu`` installed (the
 ``tpu`` extra: ``pip install "jax[tpu]"``), ``jax.experimental.topologies.get_topology_desc`` describes a TPU
 slice without one attached, and ``jax.jit(f).lower(*abstract_args).compile()`` runs XLA:TPU and Mosaic on it:
 Mosaic's tiling and layout passes, its VMEM limit, XLA's layout assignment and memory planning. This module
-compiles each kernel case of :func:`pallas_kernels.lowering.cases` (the serving tile shapes; the W8A8 FP8 cases
+compiles each kernel case of :func:`lab.kernels.lowering.cases` (the serving tile shapes; the W8A8 FP8 cases
 are GPU-only by design and left out) for one chip of each generation in :data:`GENERATIONS`, and reads back:
 
 - whether the compiled module holds the Mosaic custom call (``tpu_custom_call``; no silent fallback to XLA);
@@ -14,7 +14,7 @@ are GPU-only by design and left out) for one chip of each generation in :data:`G
 - ``memory_analysis()`` (argument, output, temp and generated-code bytes) and ``cost_analysis()``;
 - the block shape the kernel chose (from :mod:`pallas_kernels.tuning`, per the case's shapes).
 
-``python -m pallas_kernels.tpu_compile [--small] [--generations v5e,v6e,v5p] [--json PATH]`` prints one line per
+``python -m lab.kernels.tpu_compile [--small] [--generations v5e,v6e,v5p] [--json PATH]`` prints one line per
 kernel x generation and exits 1 if any compile fails. :func:`small_cases` are the same kernels at small shapes
 (seconds each): ``tests/kernels/test_tpu_compile.py`` compiles them for every generation in the default test run.
 
@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from pallas_kernels import lowering, sparse_mla, tuning
+from lab.kernels import lowering
+from pallas_kernels import sparse_mla, tuning
 from pallas_kernels.common import cdiv, next_pow2
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -202,7 +203,7 @@ def compile_case(case: lowering.Case, generation: str) -> Result:
 
 
 def tpu_cases() -> list[lowering.Case]:
-    """The serving-shape cases of :func:`pallas_kernels.lowering.cases` that have a TPU body."""
+    """The serving-shape cases of :func:`lab.kernels.lowering.cases` that have a TPU body."""
     return [c for c in lowering.cases() if "tpu" in c.platforms]
 
 

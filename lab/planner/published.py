@@ -1,4 +1,4 @@
-"""The planner against published figures (values and sources: :mod:`phaseserve.figures`), each with its role.
+"""The planner against published figures (values and sources: :mod:`lab.figures`), each with its role.
 
 Roles -- what a match of each figure does and does not show:
 
@@ -6,13 +6,13 @@ Roles -- what a match of each figure does and does not show:
   was chosen inside the window this figure allows; matching it shows nothing.
 - ``follows``: determined by a fitted figure up to a byte ratio (same memory budget, other KV bytes per token);
   it checks the KV byte accounting, not the budget.
-- ``count``: a byte count with no fitted parameter; the GB-as-GiB rule (:data:`phaseserve.figures.GB_RULE`) is
+- ``count``: a byte count with no fitted parameter; the GB-as-GiB rule (:data:`lab.figures.GB_RULE`) is
   the reading under which these figures match, so they fix the rule rather than test it.
 - ``held-out``: used to set nothing; its error is the planner's out-of-sample error. The GLM-5 KV-token figure's
   reading (FP8 KV + FP8 DSA indexer keys) was chosen because it fits: without the keys the planner gives +24%.
 
 :data:`READING_CHECKS` are published checkpoint sizes that fit only the *decimal* reading of "GB"; they are
-reported as such (:func:`phaseserve.figures.reading_note`), never re-read to fit.
+reported as such (:func:`lab.figures.reading_note`), never re-read to fit.
 """
 
 from __future__ import annotations
@@ -20,9 +20,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from phaseserve import figures
+from lab import figures
 from phaseserve.planner.deployment import deployment, plan
 from phaseserve.planner.inputs import Assumptions
+
+
+# Published checkpoint sizes (:mod:`lab.figures` entries, read under its one GB rule: a published "GB" is GiB).
+# GLM-5's FP8 (705) and INT4 (421) sizes fit that reading; Kimi K2.6's 595 GB and GLM-5.2 BF16's 1507 GB fit
+# only the decimal one, which :func:`lab.figures.reading_note` reports instead of re-reading them.
+@dataclass(frozen=True)
+class Published:
+    """A published checkpoint size: a :mod:`lab.figures` entry, in GiB under the GB rule."""
+
+    figure: str  # id in lab.figures
+
+    @property
+    def gib(self) -> float:
+        return figures.gib(self.figure)
+
+    @property
+    def source(self) -> str:
+        return figures.figure(self.figure).source
+
+    def reading_note(self, counted_gib: float) -> str:
+        """'' if the count fits the GB rule; else which reading of "GB" the figure fits."""
+        return figures.reading_note(self.figure, counted_gib)
+
+PUBLISHED: dict[tuple[str, str], Published] = {
+    ("glm-5", "glm-fp8"): Published("glm5.checkpoint.fp8"),
+    ("glm-5", "kimi-int4"): Published("glm5.checkpoint.int4"),
+    ("glm-5", "bfloat16"): Published("glm52.checkpoint.bf16"),
+    ("kimi-k2.6", "kimi-int4"): Published("kimi.checkpoint"),
+}
+
 
 FITTED, FOLLOWS, COUNT, HELD_OUT = "fitted", "follows", "count", "held-out"
 ROLES = (FITTED, FOLLOWS, COUNT, HELD_OUT)
@@ -31,7 +61,7 @@ TOLERANCE = 0.03  # every CHECKS figure within 3% under one assumption set
 
 @dataclass(frozen=True)
 class Check:
-    """A published figure (id in :mod:`phaseserve.figures`), the plan() key and deployment it is compared with."""
+    """A published figure (id in :mod:`lab.figures`), the plan() key and deployment it is compared with."""
 
     figure: str
     key: str  # a key of plan()'s dict

@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from phaseserve import figures
-from phaseserve.markdown import table
-from phaseserve.planner.deployment import deployment, plan
-from phaseserve.planner.inputs import HARDWARE, Assumptions, with_overrides
-from phaseserve.planner.published import (
+from lab import figures
+from lab.markdown import table
+from lab.planner.published import (
     READING_CHECKS,
     TOLERANCE,
     check_published,
@@ -17,6 +15,8 @@ from phaseserve.planner.published import (
     sensitivity,
     throughput_vs_published,
 )
+from phaseserve.planner.deployment import deployment, plan
+from phaseserve.planner.inputs import HARDWARE, Assumptions, with_overrides
 
 CAPACITY_COLUMNS = ("model", "gpu", "num_gpus", "weights", "kv", "checkpoint_gib", "weight_gib_per_device",
                     "kv_bytes_per_token", "kv_budget_gib_per_device", "fits", "kv_tokens")

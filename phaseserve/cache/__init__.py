@@ -8,7 +8,8 @@
   and :class:`NoopTracker`.
 - ``attend``: :class:`PagedAttend`, the per-layer decode attention over the pages (write, attend, integrity hooks)
   that ``transformer.decode_step`` runs in the engine.
-- ``faults``: :class:`FaultInjector` and a model-free ``toy_decode_step`` for tests and experiments.
+
+Fault injection (:class:`FaultInjector`, a model-free ``toy_decode_step``) is lab code: :mod:`lab.faults`.
 """
 
 from phaseserve.cache.allocator import (
@@ -21,7 +22,6 @@ from phaseserve.cache.allocator import (
     PageTables,
     UnknownRequestError,
 )
-from phaseserve.cache.faults import FaultInjector, toy_decode_step
 from phaseserve.cache.integrity import (
     IntegrityTracker,
     KVIntegrityError,
@@ -52,10 +52,10 @@ from phaseserve.cache.paged import (
 )
 
 __all__ = [
-    "NULL_PAGE", "TAG_MAX", "AllocatorError", "DoubleFreeError", "FaultInjector", "GQAPages", "IntegrityTracker",
+    "NULL_PAGE", "TAG_MAX", "AllocatorError", "DoubleFreeError", "GQAPages", "IntegrityTracker",
     "InvalidPageError", "KVIntegrityError", "MLAPages", "NoopTracker", "PageAllocator", "PagePool", "PageTables",
     "UnknownRequestError", "check_tags", "clear_pages", "dequantize_kv", "gather_layer", "gather_request",
     "guard_finite", "indexer_bytes_per_token", "init_pool", "kv_bytes_per_page", "kv_bytes_per_token",
-    "mask_page_table", "pages_for_budget", "pool_nbytes", "quantize_kv", "toy_decode_step", "write_layer",
+    "mask_page_table", "pages_for_budget", "pool_nbytes", "quantize_kv", "write_layer",
     "write_prompt", "write_token", "write_token_layer",
 ]

@@ -1,7 +1,6 @@
-"""Data for the default model: the byte-level tokenizer, the standard-library text corpus and the synthetic
-tool-call set (schemas, validator, held-out requests), mixed into seeded training batches."""
+"""Data the server needs: the byte-level tokenizer and the synthetic tool-call set (schemas, validator, parser).
+The training corpus (standard-library text and the seeded mixture) is lab code: :mod:`lab.data.corpus`."""
 
-from phaseserve.data.corpus import Mixture, eval_windows, stdlib_files, text_stream
 from phaseserve.data.tokenizer import VOCAB_SIZE, ByteTokenizer
 from phaseserve.data.toolcalls import (
     TOOLS,
@@ -16,6 +15,6 @@ from phaseserve.data.toolcalls import (
 )
 
 __all__ = [
-    "TOOLS", "VOCAB_SIZE", "ByteTokenizer", "Mixture", "ToolExample", "eval_windows", "examples", "extract_call",
-    "iter_examples", "parse_call", "sample_example", "stdlib_files", "text_stream", "validate", "validate_call",
+    "TOOLS", "VOCAB_SIZE", "ByteTokenizer", "ToolExample", "examples", "extract_call", "iter_examples", "parse_call",
+    "sample_example", "validate", "validate_call",
 ]

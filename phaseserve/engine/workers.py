@@ -97,7 +97,7 @@ def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any
                    attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The prefill worker's jitted chunk step on ``mesh`` (pool donated): ``(params, pool, ChunkBatch) -> (first
     i32[B] replicated, pool')``. Built from shardings only, so it also lowers for abstract arguments on a deviceless
-    mesh (``jax.experimental.topologies``; ``phaseserve.bench.tpu_compile``)."""
+    mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
     return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b), cfg, mesh, phase="prefill",
                                 matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
                    out_shardings=(replicated(mesh), pool_sharding), donate_argnums=(1,))

@@ -123,7 +123,7 @@ CAPACITY_MAX_BYTES = 256 << 20  # the most expert-weight bytes the capacity part
 def capacity_rows(num_assignments: int, num_experts: int) -> int:
     """Rows per expert of :func:`blocked_experts`' batched capacity part: 0 (blocks only) below
     ``CAPACITY_MIN_MEAN`` mean assignments per expert, else ``CAPACITY_FACTOR`` times the mean, rounded up to a
-    multiple of 8. Side by side on XLA:CPU (``python -m phaseserve.bench.moe_dispatch``,
+    multiple of 8. Side by side on XLA:CPU (``python -m lab.bench.moe_dispatch``,
     ``benchmarks/engine/moe_dispatch``) the capacity part took 0.71x-0.82x of the blocks' time from 512 to 4,096
     tokens on the ~15M shape (E=16, k=2); at decode sizes the batched FFN over all experts was slower."""
     mean = num_assignments / num_experts

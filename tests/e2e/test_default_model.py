@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import phaseserve as ps
-from phaseserve.data import ByteTokenizer, eval_windows, examples
-from phaseserve.eval import (
+from lab.data import eval_windows
+from lab.eval import (
     cached_greedy_generate_fn,
     default_model_path,
     evaluate_tool_calls,
@@ -22,7 +22,8 @@ from phaseserve.eval import (
     heldout_perplexity,
     show_default_model,
 )
-from phaseserve.eval.quality import tool_requests
+from lab.eval.quality import tool_requests
+from phaseserve.data import ByteTokenizer, examples
 
 PATH = default_model_path()
 TOK = ByteTokenizer()

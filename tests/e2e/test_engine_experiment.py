@@ -9,15 +9,15 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
+from lab.markdown import fmt
 from phaseserve.config_hydra import REPO_ROOT
-from phaseserve.markdown import fmt
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_engine_experiment_writes_both_arms_and_agrees_in_float32(tmp_path):
     pytest.importorskip("transformers")
-    from phaseserve.bench import engine_speed
+    from lab.bench import engine_speed
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="experiment/engine", overrides=[

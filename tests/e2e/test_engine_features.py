@@ -243,7 +243,7 @@ def test_ids_are_reusable_once_finished_and_runs_measure_separately(mla):
 def test_engine_from_hydra_config():
     from hydra import compose, initialize_config_dir
 
-    import phaseserve.bench  # noqa: F401  (registers the structured configs the yaml files extend)
+    import lab.bench  # noqa: F401  (registers the structured configs the yaml files extend)
 
     configs = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs")
     with initialize_config_dir(config_dir=configs, version_base=None):

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 import phaseserve as ps
-from phaseserve.cache.faults import FaultInjector
+from lab.faults import FaultInjector
 from phaseserve.cache.integrity import KVIntegrityError
 from tests.e2e.engine_utils import F32, make_checkpoint, random_requests, serve_config
 

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 import phaseserve as ps
+from lab.eval.demo import default_model_path
+from lab.eval.metrics import token_match_rate
 from phaseserve.data import ByteTokenizer, examples
-from phaseserve.eval.demo import default_model_path
-from phaseserve.eval.metrics import token_match_rate
 
 F32_WEIGHTS = ps.QuantConfig(prefill_weights="float32", decode_weights="float32", kv_dtype="bfloat16",
                              prefill_kv_dtype="float32")

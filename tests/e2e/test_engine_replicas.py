@@ -118,7 +118,7 @@ def test_route_balances_load(sizes, n):
 def test_replicas_from_hydra_config():
     from hydra import compose, initialize_config_dir
 
-    import phaseserve.bench  # noqa: F401  (registers the structured configs the yaml files extend)
+    import lab.bench  # noqa: F401  (registers the structured configs the yaml files extend)
 
     configs = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs")
     with initialize_config_dir(config_dir=configs, version_base=None):

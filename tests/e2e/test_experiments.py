@@ -11,7 +11,7 @@ import json
 
 from hydra import compose, initialize_config_dir
 
-from phaseserve.bench import integrity, kv_dtype, reproduce, weight_dtype
+from lab.bench import integrity, kv_dtype, reproduce, weight_dtype
 from phaseserve.config_hydra import REPO_ROOT
 
 CONFIGS = str(REPO_ROOT / "configs")

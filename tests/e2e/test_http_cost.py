@@ -1,10 +1,10 @@
-"""The HTTP layer's CPU cost (``phaseserve.bench.http_cost``): the server over a model-free stub backend, driven by the
+"""The HTTP layer's CPU cost (``lab.bench.http_cost``): the server over a model-free stub backend, driven by the
 official ``openai`` client, streams every token of every request, and the report splits the server's CPU time into
 a per-write and a per-request part."""
 
 from __future__ import annotations
 
-from phaseserve.bench import http_cost
+from lab.bench import http_cost
 
 
 def test_writes_per_request_follow_the_stream_interval():

@@ -17,7 +17,7 @@ import time
 import pytest
 from hydra import compose, initialize_config_dir
 
-from phaseserve.bench import http_load
+from lab.bench import http_load
 from phaseserve.config_hydra import REPO_ROOT
 
 OVERRIDES = ["model=tiny_mla", "+model.overrides.num_hidden_layers=1", "+model.overrides.first_k_dense_replace=0",
@@ -185,7 +185,7 @@ def test_refill_parts_pair_the_kth_finish_with_the_replacement_that_took_its_slo
 def test_replay_adds_each_request_when_it_is_due():
     """The in-process-replay arm's driver: the first wave at its offsets from the start, each replacement its delay
     after the finish it replaces (not before; a step later at most), every request run to its end."""
-    from phaseserve.bench.workload import make_requests
+    from lab.bench.workload import make_requests
     from phaseserve.engine import Engine
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):

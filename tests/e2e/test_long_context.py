@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import phaseserve as ps
-from phaseserve.bench.long_context import model_config
+from lab.bench.long_context import model_config
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.engine import Request
 from tests.e2e.engine_utils import F32, make_checkpoint

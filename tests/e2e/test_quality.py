@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import phaseserve as ps
+from lab.data.corpus import eval_windows
+from lab.eval import quality
+from lab.eval.demo import default_model_path
+from lab.eval.quality import ROWS, WEIGHTS, run
 from pallas_kernels.int4_matmul import Int4Weight
-from phaseserve.data.corpus import eval_windows
-from phaseserve.eval import quality
-from phaseserve.eval.demo import default_model_path
-from phaseserve.eval.quality import ROWS, WEIGHTS, run
 from phaseserve.quant import quantize as quantize_mod
 
 

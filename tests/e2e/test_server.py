@@ -22,10 +22,10 @@ import openai
 import pytest
 
 import phaseserve as ps
-from phaseserve.cache.faults import FaultInjector
+from lab.eval.demo import default_model_path
+from lab.faults import FaultInjector
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import TOOLS, examples
-from phaseserve.eval.demo import default_model_path
 from phaseserve.server import EngineBackend, create_app
 from phaseserve.server import loop as server_loop
 from phaseserve.server.launch import start_in_thread

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import phaseserve as ps
+from lab.eval.demo import default_model_path
 from phaseserve.data.tokenizer import ByteTokenizer
-from phaseserve.eval.demo import default_model_path
 from phaseserve.server import EngineBackend, create_app
 from phaseserve.server.app import Balancer
 from phaseserve.server.launch import start_in_thread

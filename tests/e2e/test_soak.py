@@ -8,7 +8,7 @@ import json
 
 from hydra import compose, initialize_config_dir
 
-from phaseserve.bench import soak
+from lab.bench import soak
 from phaseserve.config_hydra import REPO_ROOT
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pallas_kernels import bench
+from lab.kernels import bench
 
 
 def test_bench_smoke(tmp_path, capsys):

@@ -37,3 +37,12 @@ def test_recipe_refuses_a_python_without_jax(tmp_path):
                           text=True, timeout=60)
     assert proc.returncode == 2 and "cannot import jax" in proc.stderr
     assert not (tmp_path / "stages.txt").exists()
+
+
+def test_recipe_runs_modules_that_exist():
+    """Every ``-m`` module the recipe runs is a file of this checkout (the kernel tools live in lab/kernels)."""
+    import re
+
+    mods = set(re.findall(r"-m ([a-z_][\w.]*)", (ROOT / "benchmarks/gpu/run_h200.sh").read_text())) - {"pip"}
+    assert mods >= {"lab.kernels.device_check", "lab.kernels.bench"}
+    assert all((ROOT / (m.replace(".", "/") + ".py")).is_file() for m in mods), mods

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels import lowering
+from lab.kernels import lowering
 
 PAIRS = [(case, platform) for case in lowering.cases() for platform in case.platforms]
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from lab.bench.report import write_json
 from pallas_kernels.int4_matmul import quantize_int4
 from phaseserve import kernel_mesh
-from phaseserve.bench.report import write_json
 from phaseserve.qarrays import dense
 
 

@@ -19,7 +19,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import lowering, tpu_compile
+from lab.kernels import lowering, tpu_compile
 
 if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
     pytest.skip("libtpu ships wheels for Linux x86_64 / aarch64 only", allow_module_level=True)
@@ -111,7 +111,7 @@ def test_engine_step_compiles_for_tpu(phase, weights, kv):
     deviceless v5e slice (tp 2 x ep 2): Mosaic bodies in every kernel call, none fell back to the reference in the
     TPU branch, and the argument bytes in the compiled layouts add up to ``memory_analysis``. (Before the grouped
     references' precision fix, a fallback's BF16 ``ragged_dot`` at HIGHEST precision failed to compile here.)"""
-    from phaseserve.bench import tpu_compile as steps
+    from lab.bench import tpu_compile as steps
 
     # shapes every kernel tiles on TPU (the tiny preset's 128-wide hidden and 192-wide kv_a do not: reference)
     tiles = (("hidden_size", 256), ("moe_intermediate_size", 512), ("intermediate_size", 512),
@@ -167,8 +167,8 @@ def test_experiment_config_composes_into_its_spec():
 
     from hydra import compose, initialize_config_dir
 
-    from phaseserve.bench import tpu_compile as steps
-    from phaseserve.bench.schema import experiment_spec
+    from lab.bench import tpu_compile as steps
+    from lab.bench.schema import experiment_spec
 
     configs = str(Path(__file__).resolve().parents[2] / "configs")
     with initialize_config_dir(config_dir=configs, version_base="1.3"):

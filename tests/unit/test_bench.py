@@ -1,4 +1,4 @@
-"""phaseserve.bench: config composition and validation, the Hydra -> engine translation, workloads, the client
+"""lab.bench: config composition and validation, the Hydra -> engine translation, workloads, the client
 loop against a tiny engine, statistics, tables and plots."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import phaseserve as ps
+from lab.bench import measure, schema, verdict, workload
+from lab.bench import report as rp
 from phaseserve import config_hydra
-from phaseserve.bench import measure, schema, verdict, workload
-from phaseserve.bench import report as rp
 from phaseserve.cache.paged import kv_bytes_per_page, pages_for_budget
 from phaseserve.config import ConfigError
 from phaseserve.config_hydra import REPO_ROOT, LengthSpec
@@ -98,7 +98,7 @@ def test_the_default_model_is_the_shipped_checkpoint():
 
 
 def test_experiment_spec_validates_the_experiment_node():
-    from phaseserve.bench.kv_dtype import KvDtypeSpec
+    from lab.bench.kv_dtype import KvDtypeSpec
 
     cfg = _compose("experiment/kv_dtype", ["experiment.repeats=5"])
     assert schema.experiment_spec(cfg, KvDtypeSpec).repeats == 5
@@ -280,7 +280,7 @@ def test_formatting_and_markdown():
     assert rp.pct_spread({"median": 1.1, "min": 1.0, "max": 1.2, "n": 2}) == "+10.0% [+0.0%, +20.0%]"
     md = rp.markdown_table(["a", "b"], [[1, 2.5], ["x", None]])
     assert md.splitlines() == ["| a | b |", "|---|---|", "| 1 | 2.50 |", "| x | – |"]
-    from phaseserve.markdown import table  # the one writer: dict rows too (the planner's tables)
+    from lab.markdown import table  # the one writer: dict rows too (the planner's tables)
 
     assert table([{"a": 1234, "b": True}, {"a": 0.5}]).splitlines()[2:] == ["| 1,234 | yes |", "| 0.500 | – |"]
 
@@ -327,7 +327,7 @@ def test_cpu_detail_names_the_cache_and_vector_extensions(monkeypatch):
 
 
 def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
-    from phaseserve.bench import multirun
+    from lab.bench import multirun
 
     for job, kv, tput in (("0", "bf16", 100.0), ("1", "fp8", 150.0), ("10", "fp8", 90.0)):
         d = tmp_path / job
@@ -349,7 +349,7 @@ def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
 def test_gpu_recipe_composes_to_the_operating_point_budget():
     """The (not yet run) one-H200 recipe: Moonlight shapes, a budget of 256 BF16 requests of 1,024 + 256 tokens (the
     operating-point rule on the planner's roofline curve), FP8 ~2x in the same bytes, both offered."""
-    from phaseserve.bench import operating_point as op
+    from lab.bench import operating_point as op
 
     cfg = _compose("experiment/kv_dtype", ["model=moonlight", "mesh=single", "cache=gpu_budget",
                                            "workload=gpu_kv_budget", "engine.max_prefill_tokens=16384"])
@@ -427,7 +427,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _reproduce_table(root: Path) -> list[list[str]]:
-    from phaseserve.bench import reproduce
+    from lab.bench import reproduce
 
     reproduce.render(root / "reproduce", log=lambda *_: None)
     md = (root / "reproduce" / "README.md").read_text().splitlines()
@@ -462,7 +462,7 @@ def test_every_number_in_the_reproduce_table_is_read_from_json_or_the_registry(t
     changes and no published cell does. So no number is a literal of the report template."""
     import shutil
 
-    from phaseserve import figures
+    from lab import figures
 
     for name in ("kv_dtype", "weight_dtype", "integrity", "reproduce"):
         shutil.copytree(BENCH / name, tmp_path / name)

@@ -14,21 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.data.corpus import Mixture, Peekable, answer_mask, eval_windows, pack_examples, split_of_file, stdlib_files
 from phaseserve.data import (
     TOOLS,
     VOCAB_SIZE,
     ByteTokenizer,
-    Mixture,
     ToolExample,
     examples,
     extract_call,
     parse_call,
     sample_example,
-    stdlib_files,
     validate,
     validate_call,
 )
-from phaseserve.data.corpus import Peekable, answer_mask, eval_windows, pack_examples, split_of_file
 from phaseserve.data.toolcalls import BASIC_TOOLS, FAR_TOKENS, KINDS, MAX_PROMPT_TOKENS, split_of
 
 TOK = ByteTokenizer()

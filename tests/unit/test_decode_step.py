@@ -258,7 +258,7 @@ def test_width_bucket_covers_the_pages_and_wastes_at_most_a_third():
 def test_moe_dispatch_benchmark_point(weights):
     """The side-by-side benchmark of the capacity part: both arms timed every repeat, the same output, and the
     capacity arm really uses the capacity part at this size (cap > 0) while the blocks arm does not."""
-    from phaseserve.bench import moe_dispatch
+    from lab.bench import moe_dispatch
 
     r = moe_dispatch.measure(MLA, 300, repeats=2, weights=weights)
     assert r["cap"] == M.capacity_rows(600, MLA.num_experts) > 0 and r["moe_layers"] == 1

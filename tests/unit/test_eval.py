@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 import phaseserve as ps
-from phaseserve.config import ModelConfig, SequenceTooLongError
-from phaseserve.data import ByteTokenizer, ToolExample, examples
-from phaseserve.eval import (
+from lab.eval import (
     evaluate_tool_calls,
     first_divergence,
     generation_agreement,
@@ -25,7 +23,9 @@ from phaseserve.eval import (
     token_match_rate,
     top1_agreement,
 )
-from phaseserve.eval.cached_decode import as_pages, cached_greedy_generate_fn, decode_step
+from lab.eval.cached_decode import as_pages, cached_greedy_generate_fn, decode_step
+from phaseserve.config import ModelConfig, SequenceTooLongError
+from phaseserve.data import ByteTokenizer, ToolExample, examples
 
 TOK = ByteTokenizer()
 

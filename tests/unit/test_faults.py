@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lab.faults import FaultInjector, toy_decode_step
 from phaseserve.cache import paged
 from phaseserve.cache.allocator import TAG_MAX, PageAllocator, PageTables
-from phaseserve.cache.faults import FaultInjector, toy_decode_step
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.config import ModelConfig
 

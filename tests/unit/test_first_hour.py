@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import phaseserve as ps
+from lab.eval.demo import describe_engine, measured_lines
 from phaseserve.engine.metrics import oversized_pool
-from phaseserve.eval.demo import describe_engine, measured_lines
 from phaseserve.model.loader import NotACheckpointError
 from phaseserve.quant.policy import PolicyError, phase_policy
 

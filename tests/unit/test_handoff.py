@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import phaseserve as ps
-from phaseserve.bench.measure import CompileCounter
+from lab.bench.measure import CompileCounter
 from phaseserve.config import ModelConfig
 from phaseserve.engine.handoff import join_chunks, page_chunks, split_chunks
 from phaseserve.sharding import replicated

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lab.faults import toy_decode_step
 from phaseserve.cache import integrity, paged
 from phaseserve.cache.allocator import PageAllocator, PageTables
-from phaseserve.cache.faults import toy_decode_step
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker, check_tags
 from phaseserve.config import ModelConfig
 

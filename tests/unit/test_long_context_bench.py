@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from phaseserve.bench import long_context as lc
-from phaseserve.bench.schema import experiment_spec
+from lab.bench import long_context as lc
+from lab.bench.schema import experiment_spec
 from phaseserve.model.params import init_params
 
 

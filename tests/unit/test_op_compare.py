@@ -1,6 +1,6 @@
 """The XLA-vs-torch single-operation benchmark: both sides compute the same thing, and the report renders."""
 
-from phaseserve.bench import op_compare
+from lab.bench import op_compare
 
 
 def test_every_case_computes_the_same_on_both_sides_and_times_both():

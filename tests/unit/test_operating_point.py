@@ -1,4 +1,4 @@
-"""The operating-point rule (phaseserve/bench/operating_point.py) on synthetic decode-step curves, the roofline bound
+"""The operating-point rule (lab/bench/operating_point.py) on synthetic decode-step curves, the roofline bound
 and the kv_dtype experiment's use of a curve. Pure functions: no engine, no JAX computation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from phaseserve.bench import operating_point as op
+from lab.bench import operating_point as op
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 

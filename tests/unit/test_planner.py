@@ -6,25 +6,27 @@ import math
 
 import pytest
 
-from phaseserve import figures, planner
+from lab import figures
+from lab import planner as lab_planner
+from phaseserve import planner
 from phaseserve.config import ConfigError
 from phaseserve.quant.size_report import GIB
 
 CTX = 8192 + 512  # mean context of an 8K-prompt / 1K-output workload
 
 
-@pytest.mark.parametrize("check", planner.CHECKS, ids=lambda c: c.figure)
+@pytest.mark.parametrize("check", lab_planner.CHECKS, ids=lambda c: c.figure)
 def test_published_figure_within_3_percent(check):
     planned = planner.plan(**check.deploy)[check.key]
     assert abs(planned / check.published() - 1) < 0.03, (check.name, planned, check.published())
 
 
 def test_check_published_uses_one_assumption_set_and_is_sensitive_to_it():
-    rows = planner.check_published()
-    assert len(rows) == len(planner.CHECKS)
+    rows = lab_planner.check_published()
+    assert len(rows) == len(lab_planner.CHECKS)
     assert max(abs(r["error"]) for r in rows) < 0.03
     # the reserve is a real input: 4 GiB more per device loses ~9% of Kimi's BF16 tokens and misses the figure
-    shifted = planner.check_published(reserve_gib=16.0)
+    shifted = lab_planner.check_published(reserve_gib=16.0)
     assert shifted[0]["planned"] < rows[0]["planned"] * 0.93
     assert abs(shifted[0]["error"]) > 0.03
 
@@ -40,28 +42,28 @@ def test_published_gb_are_gib():
 def test_one_gb_rule_and_the_figures_that_fit_only_the_other_reading():
     """Every GB figure is compared under the one rule; the two that fit only decimal GB are reported as such."""
     assert figures.GB_RULE == "GiB"
-    for r in planner.check_published():
+    for r in lab_planner.check_published():
         assert r["published"] == (figures.gib(r["id"]) if figures.figure(r["id"]).unit in ("GB", "GiB")
                                   else figures.value(r["id"]))
         assert r.get("reading", "fits the GB-as-GiB rule") == "fits the GB-as-GiB rule"
-    for r in planner.check_published(checks=planner.READING_CHECKS):
+    for r in lab_planner.check_published(checks=lab_planner.READING_CHECKS):
         assert r["published"] == figures.value(r["id"])  # 595 "GB" compared as 595 GiB, not re-read
         assert abs(r["error"]) > 0.05 and "fits only the decimal reading" in r["reading"]
 
 
 def test_roles_and_held_out_errors_in_the_docstring_are_the_computed_ones():
-    rows = planner.check_published()
+    rows = lab_planner.check_published()
     roles = {r["id"]: r["role"] for r in rows}
     assert roles["kimi.kv_tokens.bf16"] == "fitted" and roles["kimi.kv_tokens.fp8"] == "follows"
     held = [r for r in rows if r["role"] == "held-out"]
     assert {r["id"] for r in held} == {"glm5.kv_tokens.int4", "qwen3_30b.weights_per_gpu.bf16_tp4"}
-    doc = " ".join(planner.__doc__.split())
+    doc = " ".join(lab_planner.__doc__.split())
     for r in rows:  # every error the docstring quotes is today's computed error
         assert f"{100 * r['error']:+.1f}%" in doc, r
-    summary = "\n".join(planner.roles_summary(rows))
+    summary = "\n".join(lab_planner.roles_summary(rows))
     assert "held out" in summary and f"{100 * held[-1]['error']:+.1f}%" in summary
     # the held-out check fails when the planner is wrong: 25% more weights per rank misses the vLLM figure
-    qwen = next(c for c in planner.CHECKS if c.figure.startswith("qwen3"))
+    qwen = next(c for c in lab_planner.CHECKS if c.figure.startswith("qwen3"))
     wrong = planner.plan(**qwen.deploy)["weight_gib_per_device"] * 1.25
     assert abs(wrong / qwen.published() - 1) > 0.03
 
@@ -246,14 +248,14 @@ def test_typed_errors():
 
 
 def test_capacity_report_tables_match_plan():
-    data, md = planner.capacity_report(["moonlight-16b-a3b"], ["h200"], {"default": 1}, ["fp8", "int4"], ["fp8"],
+    data, md = lab_planner.capacity_report(["moonlight-16b-a3b"], ["h200"], {"default": 1}, ["fp8", "int4"], ["fp8"],
                                        4096, 512, [1, 64], compare_models=["glm-5"], compare_gpus=["h100", "b200"])
     row = data["capacity"][1]
     ref = planner.plan("moonlight-16b-a3b", "h200", 1, "int4", "fp8")
     assert row["weights"] == "int4" and row["kv_tokens"] == ref["kv_tokens"] > 0
     assert data["sensitivity"][0]["change"] == "(defaults)" and data["sensitivity"][0]["all within 3%"]
     assert all(r["fits"] and not r["note"] for r in data["capacity"])
-    kimi, _ = planner.capacity_report(["kimi-k2.6"], ["h200"], 8, ["fp8"], ["bf16"], 4096, 512, [1])
+    kimi, _ = lab_planner.capacity_report(["kimi-k2.6"], ["h200"], 8, ["fp8"], ["bf16"], 4096, 512, [1])
     assert not kimi["capacity"][0]["fits"] and kimi["capacity"][0]["kv_tokens"] == 0
     assert kimi["capacity"][0]["note"].startswith("does not fit")
     assert [r["gpu"] for r in data["by_hardware"]] == ["h100", "b200"]

@@ -1,4 +1,4 @@
-"""The decode- and prefill-step profilers (``phaseserve.bench.profile_decode`` / ``profile_prefill``): control-flow
+"""The decode- and prefill-step profilers (``lab.bench.profile_decode`` / ``profile_prefill``): control-flow
 ops are not counted on top of their bodies' ops (a loop's trace event spans its body's events), and a profile of a
 small MoE model's decode step (and prefill chunk step) attributes time to attention and the MoE dispatch (and the
 prefill side's page writes and sampling), with the largest ops listed."""
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from phaseserve.bench import profile_decode as P
+from lab.bench import profile_decode as P
 from phaseserve.config import ModelConfig
 
 MLA = ModelConfig(architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
@@ -55,7 +55,7 @@ def test_profile_point_splits_a_small_moe_step_by_component_without_containers()
 
 
 def test_prefill_profile_splits_a_small_moe_chunk_step_by_component(tmp_path):
-    from phaseserve.bench import profile_prefill
+    from lab.bench import profile_prefill
 
     ms = profile_prefill.profile_point(MLA, 2, 8, steps=2, top=6, page_size=4)
     # the prefill side's scopes: the flash prefill, the chunk's KV written into its pages, the first token sampled

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from phaseserve import figures, presets
+from lab import figures
+from lab.planner.published import PUBLISHED
+from phaseserve import presets
 from phaseserve.model.params import abstract_params, map_infos
 from phaseserve.quant import abstract_quantized, quantize_params
 from phaseserve.quant.size_report import (
@@ -27,8 +29,8 @@ DECIMAL_ONLY = [("kimi-k2.6", "kimi-int4"), ("glm-5", "bfloat16")]  # Kimi 595 G
 @pytest.mark.parametrize("model,policy", PINNED)
 def test_published_checkpoint_sizes_within_one_percent(model, policy):
     report = preset_report(model, policy)
-    published = presets.PUBLISHED[(model, policy)]
-    err = report.gib / published.gib - 1  # published "GB" read as GiB: the one rule (phaseserve.figures)
+    published = PUBLISHED[(model, policy)]
+    err = report.gib / published.gib - 1  # published "GB" read as GiB: the one rule (lab.figures)
     note = published.reading_note(report.gib)
     print(f"\n[{model} / {policy}] measured {report.gib:.2f} GiB ({report.gb:.2f} GB), published {published.gib} GiB "
           f"({published.source}): {100 * err:+.2f}% {note}\n{report.table()}")
@@ -44,7 +46,7 @@ def test_mtp_layer_is_part_of_the_published_size():
     cfg = presets.preset_config("glm-5")
     without = checkpoint_report(cfg, "glm-fp8", mtp_layers=0)
     with_mtp = preset_report("glm-5", "glm-fp8")
-    assert without.gib < 0.99 * presets.PUBLISHED[("glm-5", "glm-fp8")].gib
+    assert without.gib < 0.99 * PUBLISHED[("glm-5", "glm-fp8")].gib
     assert 9.5e9 < with_mtp.total_params - without.total_params < 10.5e9
     assert round(without.total_params / 1e9) == 744  # GLM-5's published 744B parameters
     # DeepSeek-V3: 671B main model + MTP layer that repeats embed and head, 685B published in all.

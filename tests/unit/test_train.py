@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 import phaseserve as ps
-from phaseserve import train as T
+from lab import train as T
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.model.moe import capacity_experts, dense_experts, route
 

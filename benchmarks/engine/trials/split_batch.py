@@ -22,9 +22,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from phaseserve.bench.measure import environment, stats  # noqa: E402
-from phaseserve.bench.profile_decode import compiled_step, model_config, setup  # noqa: E402
-from phaseserve.bench.report import environment_section, spread  # noqa: E402
+from lab.bench.measure import environment, stats  # noqa: E402
+from lab.bench.profile_decode import compiled_step, model_config, setup  # noqa: E402
+from lab.bench.report import environment_section, spread  # noqa: E402
 
 REPEATS = 25
 

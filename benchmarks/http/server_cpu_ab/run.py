@@ -1,7 +1,7 @@
 """Server CPU per streamed request, two checkouts side by side in one run (their runs interleaved).
 
 Each round starts, for each checkout in turn (order alternating), a fresh process that serves that checkout's
-server over the model-free stub backend of ``phaseserve.bench.http_cost`` (each step sleeps 10 ms and gives every
+server over the model-free stub backend of ``lab.bench.http_cost`` (each step sleeps 10 ms and gives every
 running request one token; uvicorn in a thread, every server thread pinned to CPU 0) and drives it with the same
 ``openai`` client process as ``http_load`` (pinned to CPU 1): one untimed run, then ``--runs`` timed runs of 64
 streamed completions of 32 tokens, 32 at a time, one event per token. Per run: the server process's CPU time and its
@@ -30,8 +30,8 @@ def serve_and_measure(runs: int) -> list[tuple[float, float]]:
 
     if not Path(phaseserve.__file__).resolve().is_relative_to(Path.cwd()):
         raise RuntimeError(f"phaseserve imported from {phaseserve.__file__}, not from the checkout {Path.cwd()}")
-    from phaseserve.bench.http_cost import StubBackend
-    from phaseserve.bench.http_load import Client, pin_process, thread_cpu_s
+    from lab.bench.http_cost import StubBackend
+    from lab.bench.http_load import Client, pin_process, thread_cpu_s
     from phaseserve.data.tokenizer import ByteTokenizer
     from phaseserve.engine.request import Request
     from phaseserve.server import create_app
