@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\n(.*?)^```[ \t]*$", re.S | re.M)
 MARKS = ("runs", "illustrative")
-PATH = r"(?<![\w./])((?:experiments|examples|benchmarks|configs|phaseserve|tests|docs)/[\w./-]*\w)"
+PATH = r"(?<![\w./])((?:experiments|examples|benchmarks|configs|phaseserve|pallas_kernels|lab|tests|docs)/[\w./-]*\w)"
+MODULE = r"python -m ((?:phaseserve|pallas_kernels|lab)(?:\.\w+)*)"
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:
@@ -59,13 +60,17 @@ def test_runnable_blocks_run_on_a_one_device_cpu():
 
 
 def test_files_the_readme_and_docs_name_exist():
-    """Repository paths named in README.md and docs/*.md exist, and every relative markdown link resolves."""
+    """Repository paths and ``python -m`` modules named in README.md and docs/*.md exist, and every relative
+    markdown link resolves."""
     docs = [README, *sorted((ROOT / "docs").glob("*.md"))]
     missing = []
     for doc in docs:
         text = doc.read_text()
         paths = set(re.findall(PATH, text))
         missing += [f"{doc.name}: {p}" for p in sorted(paths) if "<" not in p and not (ROOT / p).exists()]
+        missing += [f"{doc.name}: python -m {m}" for m in sorted(set(re.findall(MODULE, text)))
+                    if not (ROOT / f"{m.replace('.', '/')}.py").exists()
+                    and not (ROOT / m.replace(".", "/") / "__main__.py").exists()]
         links = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text)
         missing += [f"{doc.name}: link {p}" for p in links
                     if not p.startswith(("http:", "https:", "mailto:")) and not (doc.parent / p).exists()]
