@@ -65,6 +65,10 @@ class EngineBackend:
     def cancel(self, rid: str) -> bool:
         return self.engine.cancel(rid)
 
+    def health(self) -> str | None:
+        """None while it can serve (in process: as long as its loop thread runs), else why not."""
+        return None
+
     @property
     def has_work(self) -> bool:
         return self.engine.has_work
@@ -117,6 +121,11 @@ class RouterBackend:
 
     def cancel(self, rid: str) -> bool:
         return self.router.cancel(rid)
+
+    def health(self) -> str | None:
+        """None while both server processes live, else which is dead (every request would fail meanwhile)."""
+        dead = sorted(set(self.router.dead) | {r for r, p in self.router.procs.items() if not p.is_alive()})
+        return f"the {' and '.join(dead)} server process{'es are' if len(dead) > 1 else ' is'} dead" if dead else None
 
     @property
     def has_work(self) -> bool:
