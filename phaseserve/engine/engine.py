@@ -38,6 +38,7 @@ on load.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -64,6 +65,8 @@ from phaseserve.model.params import Params
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.sharding import make_mesh, phase_devices, replicated, shard_params
+
+KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
 
 
 class EngineBusyError(RuntimeError):
@@ -127,6 +130,8 @@ class Engine:
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
         self.outputs: dict[str, RequestOutput] = {}  # this run's outputs by id (an id may be reused once finished)
+        self.keep_finished = KEEP_FINISHED  # finished outputs kept in ``outputs`` (the oldest are dropped beyond)
+        self._submit_lock = threading.Lock()  # add_request's id check and insert are one step
         self._seqs: dict[str, Sequence] = {}
         self._driving = False  # a generate()/stream() is running
         self._yielded: dict[str, int] | None = None  # tokens handed out per request by the running stream()
@@ -166,16 +171,29 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> RequestOutput:
-        """Queue a request; a malformed one is finished with ``finish_reason="error"`` right away."""
-        req, out = open_request(req, self.limits, self._seqs)
-        if req is None:
-            self.metrics.errors += 1
-            return out
-        seq = Sequence(request=req, output=out, tokens=list(req.prompt), num_prompt=len(req.prompt))
-        self.outputs[req.id] = out
-        self._seqs[req.id] = seq
-        self.scheduler.add(seq)
+        """Queue a request; a malformed one is finished with ``finish_reason="error"`` right away, and so is one whose
+        id is in flight (``DuplicateRequestError``). Safe to call from several threads at once: the id check and
+        the insert happen under one lock, so one id is accepted once."""
+        with self._submit_lock:
+            req, out = open_request(req, self.limits, self._seqs)
+            if req is None:
+                self.metrics.errors += 1
+                return out
+            seq = Sequence(request=req, output=out, tokens=list(req.prompt), num_prompt=len(req.prompt))
+            self.outputs[req.id] = out
+            self._seqs[req.id] = seq
+            self.scheduler.add(seq)
+            self._trim_outputs()
         return out
+
+    def _trim_outputs(self) -> None:
+        """Drop the oldest finished outputs beyond :attr:`keep_finished` (a server that is never idle would otherwise
+        keep every output it ever made); those in flight are always kept."""
+        excess = len(self.outputs) - len(self._seqs) - self.keep_finished
+        if excess <= 0:
+            return
+        for rid in [k for k, o in self.outputs.items() if o.finish_reason is not None][:excess]:
+            del self.outputs[rid]
 
     def cancel(self, request_id: str) -> bool:
         """Stop a queued or running request; its pages are released at once and no token of it is produced (or
@@ -419,7 +437,7 @@ class Engine:
             timed = True
             while self.has_work:
                 for rid, tok in self.step():
-                    if not isinstance(self.outputs[rid].error, CancelledError):  # not cancelled meanwhile
+                    if not isinstance(getattr(self.outputs.get(rid), "error", None), CancelledError):  # not cancelled
                         self._yielded[rid] = self._yielded.get(rid, 0) + 1
                         yield rid, tok
         finally:
@@ -432,14 +450,24 @@ class Engine:
             self._driving = False
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
-        """Run ``requests`` to completion; outputs in input order (a duplicate id gets its own error output)."""
+        """Run ``requests`` to completion; outputs in input order (a duplicate id gets its own error output).
+
+        Interrupted by an exception (a ``KeyboardInterrupt`` in the caller included), it cancels this call's
+        unfinished requests -- their pages are released -- before re-raising, as a closed :meth:`stream` does."""
         self._enter()
+        outs: list[RequestOutput] = []
         try:
-            outs = [self.add_request(r) for r in requests]
+            for r in requests:
+                outs.append(self.add_request(r))
             self.metrics.begin()
             while self.has_work:
                 self.step()
             self.metrics.finish()
+        except BaseException:
+            for o in outs:
+                if o.finish_reason is None:
+                    self.cancel(o.id)
+            raise
         finally:
             self._driving = False
         return outs

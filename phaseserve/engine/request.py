@@ -3,7 +3,8 @@
 A :class:`Request` is what a user submits; the engine (and the multi-process router) validates it on arrival
 with :func:`validate` -- the one copy of the rules -- and a bad request ends alone with ``finish_reason="error"``
 and one of the :class:`RequestError` subclasses below, having allocated nothing. Every field is checked for type
-and range: token ids are integers (numpy integers accepted, ``bool`` refused) inside the vocabulary; ``max_tokens
+and range, cheap checks first (the prompt's length against the context before its tokens one by one): token ids
+are integers (numpy integers accepted, ``bool`` refused) inside the vocabulary; ``max_tokens
 >= 1`` and prompt + max_tokens fit the context (``ServeConfig.max_context``, default the model's
 ``max_position_embeddings``, further capped by the pages one sequence may hold); ``temperature >= 0`` and ``0 <
 top_p <= 1`` are finite floats; ``0 <= top_k < 2**31``; ``0 <= seed < 2**32`` (None: a fresh random seed, drawn here
@@ -207,6 +208,16 @@ def _token_ids(rid, name: str, v: Any, vocab_size: int) -> list[int]:
     return [int(t) for t in v]
 
 
+def _check_length(rid, prompt: Any, limits: Limits) -> None:
+    """Raise :class:`PromptTooLongError` for a prompt (list, tuple or 1-D array) that cannot fit the context, in
+    O(1): a prompt of millions of tokens is refused without reading them (the engine loop is not held up)."""
+    n = len(prompt) if isinstance(prompt, list | tuple) or (isinstance(prompt, np.ndarray) and prompt.ndim == 1) \
+        else None
+    if n is not None and n >= limits.max_context:
+        raise PromptTooLongError(f"request {rid!r}: prompt of {n} tokens does not fit the context of "
+                                 f"{limits.max_context}")
+
+
 def validate(req: Any, limits: Limits) -> Request:
     """Check every field of ``req`` and return it normalised (plain ``int`` token ids, tuple stop ids, ``bool``
     ignore_eos); raise the matching :class:`RequestError` otherwise. Nothing is allocated before this runs, and it
@@ -216,6 +227,7 @@ def validate(req: Any, limits: Limits) -> Request:
     rid = req.id
     if not isinstance(rid, str):
         raise InvalidRequestIdError(f"request id must be a str, got {type(rid).__name__} {rid!r:.40}")
+    _check_length(rid, req.prompt, limits)  # cheap first: a huge prompt is refused before its tokens are read
     prompt = _token_ids(rid, "prompt", req.prompt, limits.vocab_size)
     if not prompt:
         raise EmptyPromptError(f"request {rid!r}: empty prompt")

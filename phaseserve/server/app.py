@@ -39,16 +39,20 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phaseserve.engine import Request, RequestError, RequestOutput
 from phaseserve.engine.replicas import request_load
+from phaseserve.engine.request import validate
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
+from phaseserve.server.security import DEFAULT_MAX_BODY_BYTES, Auth, Gate, cache_tenant
 from phaseserve.server.sse import DONE, EventStream, Template, event
 
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the client's connection is checked
+HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class ApiError(Exception):
@@ -163,9 +167,12 @@ class Generation:
         return usage(len(self.req.prompt), len(self.text.ids))
 
 
-def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1) -> FastAPI:
+def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1, *,
+               api_keys: dict[str, str] | None = None, metrics_key: str | None = None,
+               max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app over ``backend`` (one, or a list of replicas: one engine loop each); ``app.state.loops`` holds the
-    loops while it runs."""
+    loops while it runs. ``api_keys`` (key -> tenant) turns authentication on; ``metrics_key`` guards ``/metrics``;
+    ``max_body_bytes`` caps a request body (None: no cap); see :mod:`phaseserve.server.security`."""
     backends = list(backend) if isinstance(backend, list | tuple) else [backend]
     if not backends:
         raise ValueError("create_app needs at least one backend")
@@ -185,6 +192,17 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
 
     app = FastAPI(title="phaseserve", lifespan=lifespan)
     app.state.metrics = metrics
+    app.add_middleware(Gate, auth=Auth(api_keys, metrics_key), max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):  # unknown route, wrong method, body too large, ...
+        return JSONResponse(error_body(str(exc.detail), code=HTTP_CODES.get(exc.status_code)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _server_error(_, exc: Exception):  # a server bug: OpenAI's shape (Starlette still logs it)
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, exc: ApiError):
@@ -203,8 +221,23 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     ids = itertools.count()
     id_prefix = uuid.uuid4().hex[:16]  # request ids: unique per server (a counter), not guessable across servers
 
-    def new_request(prompt: list[int], body: Any, max_tokens: int) -> Request:
-        return Request(id=f"{id_prefix}{next(ids):08x}", prompt=prompt, **body.sampling(max_tokens))
+    def fits(n: int) -> None:
+        """Cheap first: a prompt of ``n`` tokens (a lower bound for a string) that cannot fit the context is
+        refused before anything reads it token by token."""
+        if n >= limits.max_context:
+            raise ApiError(400, f"PromptTooLongError: prompt of {n} tokens does not fit the context of "
+                                f"{limits.max_context}", param="prompt", code="context_length_exceeded")
+
+    async def new_request(prompt: list[int], body: Any, max_tokens: int, http: HttpRequest) -> Request:
+        """The engine request, validated here (in a worker thread, not the engine loop's): a bad one is a 400
+        before it reaches the loop. Its prefix-cache tenant is the authenticated caller's, narrowed by ``user``."""
+        fits(len(prompt))
+        req = Request(id=f"{id_prefix}{next(ids):08x}", prompt=prompt, **body.sampling(max_tokens),
+                      tenant=cache_tenant(getattr(http.state, "tenant", ""), body.user))
+        try:
+            return await asyncio.to_thread(validate, req, limits)
+        except RequestError as e:
+            raise ApiError(400, f"{type(e).__name__}: {e}") from None
 
     async def run_to_end(gen: Generation, http: HttpRequest) -> str:
         """All the text of a non-streamed request; the request is cancelled if the client goes away."""
@@ -244,10 +277,14 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     @app.get("/health")
     async def health():
         balancer = state.get("balancer")
-        dead = [loop for loop in balancer.loops if not loop.alive] if balancer else [None]
-        if dead:
-            return JSONResponse({"status": "engine loop stopped", "error": repr(getattr(dead[0], "error", None))},
-                                status_code=503)
+        if balancer is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        for loop in balancer.loops:
+            if not loop.alive:
+                return JSONResponse({"status": "engine loop stopped", "error": repr(loop.error)}, status_code=503)
+            down = loop.backend.health()
+            if down:
+                return JSONResponse({"status": "backend down", "error": down}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -263,8 +300,13 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     async def completions(body: CompletionRequest, http: HttpRequest):
         check_model(body.model)
         prompt = body.one_prompt
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        gen = Generation(state["balancer"], new_request(ids, body, body.max_tokens), TextStream(tokenizer, body.stops))
+        if isinstance(prompt, str):
+            fits(len(prompt))  # a byte-level tokenizer: at least one token per character
+            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+        else:
+            ids = list(prompt)
+        req = await new_request(ids, body, body.max_tokens, http)
+        gen = Generation(state["balancer"], req, TextStream(tokenizer, body.stops))
         rid, created = f"cmpl-{gen.req.id}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
         await gen.start()
@@ -294,10 +336,11 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
         check_model(body.model)
         forced = forced_prefix(body, tokenizer)
-        prompt = render_chat(body.messages, tokenizer) + forced
+        fits(sum(len(m.text) for m in body.messages))  # cheap first: characters are a lower bound on byte tokens
+        prompt = await asyncio.to_thread(render_chat, body.messages, tokenizer) + forced
         budget = body.token_budget(max(limits.max_context - len(prompt), 1))
         text = TextStream(tokenizer, body.stops, tools_on=body.tools_on, forced=forced)
-        gen = Generation(state["balancer"], new_request(prompt, body, budget), text)
+        gen = Generation(state["balancer"], await new_request(prompt, body, budget, http), text)
         rid, created = f"chatcmpl-{gen.req.id}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
         await gen.start()

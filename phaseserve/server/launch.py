@@ -95,7 +95,12 @@ def serve(cfg: DictConfig) -> None:
     where = f", {len(backends)} replicas" if len(backends) > 1 else ""
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend{where}) on http://{s.host}:{s.port}/v1",
           flush=True)
-    app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval))
+    keys = {str(k): str(v) for k, v in (s.get("api_keys") or {}).items()}
+    metrics_key = s.get("metrics_key")
+    limit = s.get("max_body_bytes")
+    app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval), api_keys=keys,
+                     metrics_key=None if metrics_key is None else str(metrics_key),
+                     max_body_bytes=None if limit is None else int(limit))
     uvicorn.run(app, host=str(s.host), port=int(s.port), log_level=str(s.log_level))
 
 

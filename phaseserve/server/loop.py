@@ -39,6 +39,7 @@ from typing import Any
 
 from phaseserve.engine import Request, RequestOutput
 
+KEEP_FINISHED = 1024  # finished outputs a served engine keeps (Engine.keep_finished)
 TOTALS = ("preemptions", "integrity_aborts", "prefix_lookup_pages", "prefix_hit_pages")
 
 
@@ -47,6 +48,7 @@ class EngineBackend:
 
     def __init__(self, engine: Any):
         self.engine = engine
+        engine.keep_finished = min(engine.keep_finished, KEEP_FINISHED)  # bounded under load, not only when idle
         self._carried = dict.fromkeys(TOTALS, 0)  # totals from measurement windows already reset
         self._busy = False
 
@@ -62,6 +64,10 @@ class EngineBackend:
 
     def cancel(self, rid: str) -> bool:
         return self.engine.cancel(rid)
+
+    def health(self) -> str | None:
+        """None while it can serve (in process: as long as its loop thread runs), else why not."""
+        return None
 
     @property
     def has_work(self) -> bool:
@@ -115,6 +121,11 @@ class RouterBackend:
 
     def cancel(self, rid: str) -> bool:
         return self.router.cancel(rid)
+
+    def health(self) -> str | None:
+        """None while both server processes live, else which is dead (every request would fail meanwhile)."""
+        dead = sorted(set(self.router.dead) | {r for r, p in self.router.procs.items() if not p.is_alive()})
+        return f"the {' and '.join(dead)} server process{'es are' if len(dead) > 1 else ' is'} dead" if dead else None
 
     @property
     def has_work(self) -> bool:
@@ -193,7 +204,7 @@ class EngineLoop:
         self.backend, self.on_finish, self.on_step = backend, on_finish, on_step
         self.stream_interval = stream_interval
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: dict[str, Handle] = {}
+        self._active: dict[int, Handle] = {}  # by handle identity: two submissions of one id never collide
         self._calls: list[tuple] = []  # run_exclusive calls waiting for the backend to drain
         self._stop = threading.Event()
         self.error: BaseException | None = None  # what ended the loop thread, if anything did
@@ -259,7 +270,7 @@ class EngineLoop:
                 if kind == "submit":
                     arg.output = self.backend.submit(arg.request)
                     arg.output.metrics.received = arg.received
-                    self._active[arg.request.id] = arg
+                    self._active[id(arg)] = arg  # a refused duplicate id gets its own error, not the first's slot
                 elif kind == "cancel":
                     self.backend.cancel(arg)
                 elif kind == "call":
@@ -280,7 +291,7 @@ class EngineLoop:
     def _deliver(self) -> None:
         """Hand new tokens and finishes to the handlers: one wake-up per event loop per iteration, not per request."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid, h in list(self._active.items()):
+        for key, h in list(self._active.items()):
             out = h.output
             n = len(out.tokens)
             done = out if out.finish_reason is not None else None
@@ -291,7 +302,7 @@ class EngineLoop:
             if done is not None:
                 if out.metrics.finished is None:
                     out.metrics.finished = time.perf_counter()
-                del self._active[rid]
+                del self._active[key]
                 if self.on_finish is not None:
                     self.on_finish(h)
         for aio, items in batches.items():

@@ -17,6 +17,7 @@ streaming.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,6 +28,24 @@ I32_MAX = 2**31 - 1
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI's server does
+
+
+def _not_utf8(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in a decoded JSON value that is not valid UTF-8 (a lone surrogate,
+    which JSON's ``\\ud800`` escapes can carry), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        bad = _not_utf8(k, path) if isinstance(k, str) else None
+        bad = bad or _not_utf8(v, f"{path}.{k}" if path else str(k))
+        if bad:
+            return bad
+    return None
 
 
 class StreamOptions(_Lenient):
@@ -47,6 +66,14 @@ class SamplingFields(_Lenient):
     n: Annotated[int, Field(ge=1)] = 1
     ignore_eos: bool = False  # vLLM extension
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        bad = _not_utf8(data)
+        if bad:
+            raise ValueError(f"{bad}: a string is not valid UTF-8 (a lone surrogate)")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -133,6 +160,15 @@ class NamedToolChoice(_Lenient):
 class FunctionCall(_Lenient):
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v: str) -> str:
+        try:
+            json.loads(v or "{}")
+        except ValueError:
+            raise ValueError("function.arguments must be a JSON string") from None
+        return v
 
 
 class ToolCall(_Lenient):
