@@ -65,13 +65,16 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """ids (any int sequence) -> text. Each run of bytes between special tokens is decoded as UTF-8 on its
-        own (invalid sequences become U+FFFD), also when the specials are skipped."""
+        own (invalid sequences become U+FFFD); skipped specials (``skip_special``) leave the bytes around them one
+        run, as ``transformers``' ``decode(..., skip_special_tokens=True)`` does."""
         names = {v: k for k, v in self.special_ids.items()}
         out: list[str] = []
         run = bytearray()
         for i in (int(t) for t in ids):
             if 0 <= i < NUM_BYTES:
                 run.append(i)
+                continue
+            if skip_special:  # a skipped special does not split the bytes around it (as Hugging Face's decode)
                 continue
             if run:
                 out.append(run.decode("utf-8", errors="replace"))

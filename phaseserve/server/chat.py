@@ -82,7 +82,7 @@ class TextStream:
     def _decode(self, t: int) -> str:
         if 0 <= t < 256:
             return self._utf8.decode(bytes([t]))
-        return self._utf8.decode(b"", final=True)  # a special token ends a byte run (as ByteTokenizer.decode)
+        return ""  # a skipped special does not split the bytes around it (as ByteTokenizer.decode(skip_special))
 
     def feed(self, new_ids: list[int]) -> str:
         for t in new_ids:
