@@ -9,9 +9,9 @@ generated from this module (:func:`markdown`); a test keeps the two equal.
 (1e9 bytes), which reports use only to say that a figure fits *that* reading and not the rule
 (:func:`readings`), never to switch the reading per figure.
 
-Sources. ``DESIGN.md`` lists the target results the project was built to reproduce (the Kimi K2.6 FP8-KV and the
-GLM-5 INT4-weight deployment write-ups); the repository does not record their original URLs, and the entries say
-so. Figures found later (checkpoint sizes, a vLLM log) name the page they come from.
+Sources. The target results the project was built to reproduce come from the Cloudflare Blog post "Smaller, faster,
+safer: running Kimi and GLM at scale" (its Kimi K2.6 FP8-KV, GLM-5 INT4-weight and page-tag integrity parts;
+``docs/design.md`` restates them). Figures found later (checkpoint sizes, a vLLM log) name the page they come from.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 GIB = 2**30
 GB_RULE = "GiB"  # how every published "GB" is read (see the module docstring)
 READINGS = {"GiB": GIB, "decimal": 10**9}
-_DESIGN = "DESIGN.md target results (the {} deployment write-up; original URL not recorded in the repository)"
+_DESIGN = 'Cloudflare Blog, "Smaller, faster, safer: running Kimi and GLM at scale" ({} part)'
 _KIMI, _GLM = _DESIGN.format("Kimi K2.6 FP8-KV, 8xH200"), _DESIGN.format("GLM-5.x INT4-weight, 8-way TP")
 _INTEGRITY = _DESIGN.format("page-tag integrity")
 

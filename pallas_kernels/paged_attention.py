@@ -1,7 +1,7 @@
 """GQA decode attention over a paged KV cache (BF16, F32 or FP8 e4m3 pages with per-token-per-head scales).
 
 One query token per sequence attends over ``lengths[b]`` cached tokens whose pages are listed in
-``page_table[b]``. Layout (DESIGN.md "Public API")::
+``page_table[b]``. Layout (docs/design.md, "Public API")::
 
     k_pages, v_pages  [num_pages, page_size, num_kv_heads, head_dim]   bf16 | f32 | float8_e4m3fn
     k_scales, v_scales [num_pages, page_size, num_kv_heads] f32        value = page * scale (None: 1)

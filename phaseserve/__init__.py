@@ -1,6 +1,6 @@
 """phaseserve: a pure-JAX research framework for serving MoE models with phase-specific representations.
 
-Public API (see DESIGN.md):
+Public API (see docs/design.md):
 
 - ``load_checkpoint(path, dtype, strict=True)`` -> ``(cfg, params)`` (plain, FP8 or INT4 as stored)
 - ``init_params(cfg, key, dtype)``

@@ -1,6 +1,6 @@
 """Capacity and roofline planner for real deployments: model preset x hardware x parallel layout.
 
-``ps.planner.plan(model, gpu, num_gpus, weights, kv)`` returns the documented dict (DESIGN.md): checkpoint and
+``ps.planner.plan(model, gpu, num_gpus, weights, kv)`` returns the documented dict (docs/design.md): checkpoint and
 per-device weight sizes, KV bytes per token, resident KV tokens per replica, whether it fits, the layout, the
 hardware and every assumption used; with ``prompt_len`` / ``output_len`` also admission and roofline throughput.
 

@@ -242,7 +242,7 @@ def deployment(model: str = "kimi-k2.6", gpu: str | Hardware = "h200", num_gpus:
 def plan(model: str = "kimi-k2.6", gpu: str | Hardware = "h200", num_gpus: int = 8,
          weights: str | QuantPolicy = "int4", kv: str = "fp8", *, prompt_len: int | None = None,
          output_len: int | None = None, assumptions: Assumptions | None = None, **overrides: Any) -> dict:
-    """Capacity plan as a plain dict (the public contract, see DESIGN.md).
+    """Capacity plan as a plain dict (the public contract, see docs/design.md).
 
     Keys include ``checkpoint_gib``, ``weight_gib_per_device``, ``kv_bytes_per_token``, ``kv_tokens`` (resident
     KV tokens per serving replica), ``fits``, the layout, ``hardware`` and every assumption used

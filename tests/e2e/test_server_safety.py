@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from phaseserve.eval.demo import default_model_path
 
 import phaseserve as ps
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine.request import Limits
-from phaseserve.eval.demo import default_model_path
 from phaseserve.server import EngineBackend, RouterBackend, create_app
 from phaseserve.server.launch import start_in_thread
 

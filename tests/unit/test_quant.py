@@ -168,7 +168,7 @@ def _every_matmul(rep: str) -> str:
 
 
 # (policy, min top-1 agreement, max KL) vs the float32 model; measured values are printed (``-s``). Small
-# random models have nearly tied logits (DESIGN.md), so agreement floors are loose; the KL bounds follow from
+# random models have nearly tied logits (docs/design.md), so agreement floors are loose; the KL bounds follow from
 # each representation's rounding error (relative RMS weight error: bf16 ~0.2%, fp8 ~3.5%, int4 g32 ~9%).
 LADDER = [("bfloat16", 0.85, 0.015), (_every_matmul("fp8"), 0.5, 0.08), (_every_matmul("int4:g32"), 0.2, 0.35),
           (_every_matmul("int4:g128"), 0.12, 0.45)]
