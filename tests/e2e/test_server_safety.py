@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from phaseserve.eval.demo import default_model_path
 
 import phaseserve as ps
+from lab.eval.demo import default_model_path
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine.request import Limits
 from phaseserve.server import EngineBackend, RouterBackend, create_app
