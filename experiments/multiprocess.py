@@ -1,8 +1,8 @@
-"""Experiment entry point: multiprocess (two-process disaggregated serving against the single-process engine, and
-the KV bytes on the wire).
+"""Experiment entry point: multiprocess (disaggregated serving on Ray -- prefill and decode actors driven by the one
+engine -- against the single-process engine, and the KV bytes on the wire).
 
-Logic in lab/bench/multiprocess.py, settings in configs/experiment/multiprocess.yaml. Starts two server
-processes (spawned; they share the CPU cores).
+Logic in lab/bench/multiprocess.py, settings in configs/experiment/multiprocess.yaml. Starts a local Ray cluster
+(or joins ``RAY_ADDRESS``) and two actors per run (they share the CPU cores here).
 
     python experiments/multiprocess.py                    # into outputs/multiprocess/<date>/
     python experiments/multiprocess.py hydra.run.dir=benchmarks/multiprocess

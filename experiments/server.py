@@ -3,7 +3,7 @@
 
     python experiments/server.py                                   # default model, http://127.0.0.1:8000/v1
     python experiments/server.py experiment.port=8001 engine.mode=colocated quant=f32 mesh=single
-    python experiments/server.py experiment.backend=router          # prefill + decode server processes
+    python experiments/server.py experiment.backend=ray             # prefill + decode Ray actors
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ class KVIntegrityError(RuntimeError):
         self.details = details
         self.kind = kind  # "tag" | "range" | "nonfinite"
 
+    def __reduce__(self):  # picklable (it crosses process boundaries from a remote decode worker)
+        return (KVIntegrityError, (self.request_id, self.details, self.kind))
+
 
 @jax.jit
 def check_tags(tags: jax.Array, page_table: jax.Array, expected: jax.Array, num_live: jax.Array) -> jax.Array:
@@ -113,7 +116,11 @@ class IntegrityTracker:
     # ---- host -> device ------------------------------------------------------------------------------------
     def sync(self) -> int:
         """Push pending tag changes in one transfer; returns how many pages changed."""
-        pages, tags = self.allocator.drain_tag_updates()
+        return self.push(*self.allocator.drain_tag_updates())
+
+    def push(self, pages: np.ndarray, tags: np.ndarray) -> int:
+        """Set these pages' device tags (pages i32[n], tags u32[n]): the allocator's changes when it lives in
+        another process (a remote decode worker gets them with each step)."""
         n = len(pages)
         if n:
             bucket = max(8, 1 << (n - 1).bit_length())
@@ -206,6 +213,9 @@ class NoopTracker:
     def sync(self) -> int:
         if self.allocator is not None:
             self.allocator.drain_tag_updates()  # nothing to mirror; keep the pending dict empty
+        return 0
+
+    def push(self, pages, tags) -> int:
         return 0
 
     def check(self, page_table, expected_tags, num_live) -> None:

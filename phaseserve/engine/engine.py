@@ -60,11 +60,8 @@ from phaseserve.engine.request import (
 )
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
-from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, prefill_pages, stop_reason
+from phaseserve.engine.workers import PhaseWorkers, local_workers, stop_reason
 from phaseserve.model.params import Params
-from phaseserve.quant.policy import phase_policy
-from phaseserve.quant.quantize import quantize_params
-from phaseserve.sharding import make_mesh, phase_devices, replicated, shard_params
 
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
 
@@ -85,44 +82,36 @@ def hydra_engine_args(hydra_cfg: Any) -> tuple[ModelConfig, Params, ServeConfig,
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: Params, serve: ServeConfig | None = None,
+    def __init__(self, cfg: ModelConfig, params: Params | None, serve: ServeConfig | None = None,
                  attn_impl: str = "auto", matmul_impl: str = "auto", *, handoff: Any = None,
-                 devices: list | None = None):
+                 devices: list | None = None, workers: PhaseWorkers | None = None):
         """``devices``: the devices this engine lays its meshes out over (``MeshConfig`` indices refer to this
         list); default ``jax.devices()``. Data-parallel replicas (``MeshConfig.replicas > 1``) are
-        :class:`~phaseserve.engine.replicas.ReplicatedEngine`'s, which builds one engine per block of devices."""
+        :class:`~phaseserve.engine.replicas.ReplicatedEngine`'s, which builds one engine per block of devices.
+
+        ``workers``: the prefill and decode workers to drive (default :func:`~phaseserve.engine.workers.
+        local_workers`, both in this process, built from ``params``); ``phaseserve.distributed.RayEngine`` passes
+        proxies to Ray actors (``params`` None: each actor loads its own copy). The scheduler, admission, chunk
+        planning, prefix reuse, preemption and the finish rule are this engine's either way."""
         self.cfg = cfg
         self.serve = serve = serve or ServeConfig()
-        m, q, c = serve.mesh, serve.quant, serve.cache
+        m, c = serve.mesh, serve.cache
         if m.replicas != 1:
             raise ConfigError(f"MeshConfig.replicas={m.replicas}: build a ReplicatedEngine (phaseserve.engine), "
                               f"which runs one Engine per replica")
-        pre_devs, dec_devs = phase_devices(devices if devices is not None else jax.devices(), m, serve.mode)
-        self.decode_mesh = make_mesh(dec_devs, tp=m.decode_tp, ep=m.decode_ep)
-        self.prefill_mesh = self.decode_mesh if serve.mode == "colocated" else make_mesh(pre_devs, tp=m.prefill_tp)
-
-        # weights: one copy per phase, each in its own representation
-        decode_params = shard_params(cfg, quantize_params(params, phase_policy(q, "decode")), self.decode_mesh)
-        prefill_params = decode_params if serve.mode == "colocated" else shard_params(
-            cfg, quantize_params(params, phase_policy(q, "prefill")), self.prefill_mesh)
-
-        # decode cache
-        self.kv_dtype = canonical_dtype(q.kv_dtype)
-        num_pages = cache_pages(cfg, c, self.kv_dtype, dec_devs[0])
+        if workers is None:
+            if params is None:
+                raise ConfigError("Engine needs params (or workers that hold their own weights)")
+            workers = local_workers(cfg, params, serve, attn_impl, matmul_impl, devices)
+        self.prefill, self.decode = workers
+        self.kv_dtype = canonical_dtype(serve.quant.kv_dtype)
+        num_pages = self.decode.num_pages
         too_big = oversized_pool(num_pages, serve.max_batch, c.max_pages_per_seq,
                                  c.page_size * kv_bytes_per_token(cfg, self.kv_dtype))
         if too_big:
             warnings.warn(too_big, stacklevel=2)
-        self.decode = DecodeWorker(cfg, decode_params, self.decode_mesh, kv_dtype=self.kv_dtype, num_pages=num_pages,
-                                   page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
-                                   integrity=c.integrity, attn_impl=attn_impl, matmul_impl=matmul_impl)
         self.num_pages = num_pages
         self.limits = Limits.of(cfg, serve, num_pages)
-        self.prefill = PrefillWorker(cfg, prefill_params, self.prefill_mesh, kv_dtype=self.kv_dtype,
-                                     prefill_kv_dtype=q.prefill_kv_dtype, max_prefill_tokens=serve.max_prefill_tokens,
-                                     page_size=c.page_size, max_pages_per_seq=self.limits.max_pages,
-                                     num_pages=prefill_pages(self.limits, serve.max_prefill_tokens),
-                                     attn_impl=attn_impl, matmul_impl=matmul_impl)
         self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
         self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption,
                                    prefill_tables=self.prefill.tables)
@@ -160,6 +149,15 @@ class Engine:
     @pool.setter
     def pool(self, value) -> None:
         self.decode.pool = value
+
+    @property
+    def decode_mesh(self):
+        """The decode worker's mesh (None when the worker is remote)."""
+        return getattr(self.decode, "mesh", None)
+
+    @property
+    def prefill_mesh(self):
+        return getattr(self.prefill, "mesh", None)
 
     @property
     def prefill_params(self):
@@ -286,19 +284,36 @@ class Engine:
 
     def _device_failure(self, seqs: list[Sequence], err: Exception) -> bool:
         """After a device call raised: end ``seqs`` if it cannot be retried in parts; True if it was narrowed."""
-        if not self.decode.pool_ok():  # a donated pool was consumed: every page's KV is gone
-            self._fail(list(self.scheduler.running) + seqs, err)
-            self.decode.reset_pool()
+        if not self.decode.pool_ok():  # a donated pool was consumed (or its worker died): every page's KV is gone
+            self._pool_lost(self.decode, list(self.scheduler.running) + seqs, err)
             self.scheduler.prefix.clear()
             return False
         if not self.prefill.pool_ok():  # the prefill pool was consumed: every prompt in progress lost its KV
-            self._fail([s for s in self.scheduler.running if s.prefilling] + seqs, err)
-            self.prefill.reset_pool()
+            self._pool_lost(self.prefill, [s for s in self.scheduler.running if s.prefilling] + seqs, err)
             return False
         if len(seqs) == 1:
             self._fail(seqs, err)
             return False
         return True
+
+    def _pool_lost(self, worker: Any, seqs: list[Sequence], err: Exception) -> None:
+        """``worker``'s pool is gone: end ``seqs`` with ``err``; where the worker restarts (``requeue_lost``, a
+        remote worker), a request that has emitted nothing yet goes back to the queue instead (its pages released,
+        prefilled again from its prompt) and only those already streaming end, ``"aborted"`` with ``err``."""
+        for s in dict.fromkeys(seqs):
+            if self._seqs.get(s.id) is not s:
+                continue
+            if worker.requeue_lost and not s.output.tokens:
+                self.scheduler.requeue(s)
+            elif worker.requeue_lost:
+                self._finish(s, "aborted", err)
+            else:
+                self._fail([s], err)
+        worker.reset_pool()
+
+    def _carry(self, payload: Any, worker: Any) -> Any:
+        """A payload onto ``worker``'s devices (a remote worker's payload is a staged descriptor: left as is)."""
+        return payload if worker.sharding is None else jax.device_put(payload, worker.sharding)
 
     def _load_prefixes(self, seqs: list[Sequence]) -> None:
         """Prefix hits: the cached pages' KV (decode pool) into each request's first prefill pages, so its suffix
@@ -307,7 +322,7 @@ class Engine:
             try:
                 n = s.shared_pages
                 payload = self.decode.export(self.tables.owned(s.id)[:n], self.prefill.pool_dtype)
-                payload = jax.device_put(payload, self.prefill.sharding)
+                payload = self._carry(payload, self.prefill)
                 self.prefill.land(self.prefill.tables.owned(s.id)[:n], payload)
             except Exception as e:
                 self._device_failure([s], e)  # ends s (and everything, if a pool was lost)
@@ -348,7 +363,7 @@ class Engine:
         try:
             src = [p for s in seqs for p in self.prefill.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
             dst = [p for s in seqs for p in self.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
-            payload = self.handoff.transfer(self.prefill.export(src), replicated(self.decode_mesh))
+            payload = self.handoff.transfer(self.prefill.export(src), self.decode.sharding)
             self.decode.land(dst, payload)
         except Exception as e:
             if self._device_failure(seqs, e) and len(done) > 1:
@@ -479,11 +494,11 @@ class Engine:
         sizes = [1 << i for i in range((self.prefill.num_pages - 1).bit_length())]  # 1, 2, 4, .. <= pages held
         for size in sizes:
             null = [0] * size
-            self.decode.land(null, jax.device_put(self.prefill.export(null), replicated(self.decode_mesh)))
+            self.decode.land(null, self._carry(self.prefill.export(null), self.decode))
             if size <= self.limits.max_pages:  # a prefix hit is at most one request's pages
-                self.prefill.land(null, jax.device_put(self.decode.export(null, self.prefill.pool_dtype),
-                                                       self.prefill.sharding))
-        jax.block_until_ready((self.prefill.pool, self.decode.pool))
+                self.prefill.land(null, self._carry(self.decode.export(null, self.prefill.pool_dtype), self.prefill))
+        self.prefill.block()
+        self.decode.block()
         return len(sizes)
 
     def reset_metrics(self) -> None:
@@ -505,3 +520,11 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+    def health(self) -> str | None:
+        """None while the engine can serve, else why not (in process: always None; a remote engine reports a
+        worker that is down)."""
+        return None
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (nothing, in process)."""

@@ -12,14 +12,14 @@ shared prefix are already in the decode pool), and nothing but whole pages cross
 A :class:`Handoff` moves the payload to the decode devices; :func:`import_pages` writes it, without re-quantizing,
 into the destination pages (page ids of 0 -- padding -- write nothing). The same two functions run the other way
 for a prefix hit (decode pool pages -> the request's first prefill pages, dequantized to the prefill KV dtype), and
-the multi-process servers ship the same payload over ``jax.experimental.transfer`` (``phaseserve.serving``).
+the Ray actors (``phaseserve.distributed``) ship the same payload over ``jax.experimental.transfer``.
 
 :func:`page_chunks` keeps the jitted shapes to a handful without padding what crosses: ``n`` pages are exported and
 imported as power-of-two chunks (``n = 11`` -> 8 + 2 + 1 pages), so export and import compile once per chunk size
 (at most ``log2(max pages) + 1`` sizes, all compiled by the engine's warm-up) rather than once per page count, and
-the bytes that cross are exactly the pages. An in-process payload is the list of its chunks' payloads. The
-multi-process protocol ships each request's KV as one ``[T, ...]`` array per leaf (:func:`join_chunks` /
-:func:`split_chunks` convert; those shapes follow the prompt's page count by design of that protocol).
+the bytes that cross are exactly the pages. An in-process payload is the list of its chunks' payloads. Across
+processes a payload crosses as one ``[T, ...]`` array per leaf (:func:`join_chunks` / :func:`split_chunks` convert;
+those shapes follow the page count).
 """
 
 from __future__ import annotations

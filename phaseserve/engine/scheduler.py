@@ -314,6 +314,18 @@ class Scheduler:
             result.admitted.append(seq)
         return result
 
+    def requeue(self, seq: Sequence) -> None:
+        """Put a running request that has emitted nothing back at the head of the queue, its pages released (its
+        KV was lost with a worker): it is admitted and prefilled again from its prompt."""
+        if seq.num_generated:
+            raise ValueError(f"request {seq.id!r} has emitted tokens; it cannot be requeued")
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        seq.num_prompt, seq.computed, seq.shared_pages, seq.swap = len(seq.tokens), 0, 0, None
+        if seq not in self.waiting:
+            self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted/cancelled) request's pages."""
         if seq in self.running:

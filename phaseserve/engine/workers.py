@@ -1,5 +1,5 @@
-"""The two phase workers, shared by the in-process :class:`~phaseserve.engine.engine.Engine` and the multi-process
-servers (``phaseserve.serving``): each owns one phase's weights-on-mesh and jitted steps; neither schedules.
+"""The two phase workers the :class:`~phaseserve.engine.engine.Engine` drives (in process, or their device halves in
+Ray actors: ``phaseserve.distributed``): each owns one phase's weights-on-mesh and jitted steps; neither schedules.
 
 - :class:`PrefillWorker`: the prefill pool (prompts in progress, prefill KV dtype) and its allocator; groups the
   step's prompt chunks into padded batches (bounded by ``max_prefill_tokens``), runs the chunk step
@@ -14,13 +14,19 @@ servers (``phaseserve.serving``): each owns one phase's weights-on-mesh and jitt
 :func:`cache_pages` sizes the page pool from ``CacheConfig`` (pages, a byte budget, or the documented default).
 
 :func:`stop_reason` is the one stop rule (stop tokens, eos unless ``ignore_eos``, ``max_tokens``).
+
+Each worker is split in a host half (page tables, batch building: :func:`chunk_batch`, :func:`decode_inputs`,
+:func:`pages_to_scrub`) and a device half (``run_batch``, ``land``, ``export``, ``scrub``, swaps) that takes only
+arrays and page ids, so the device half can live in another process: :func:`local_workers` builds both phases in
+this process (the engine's default); ``phaseserve.distributed`` puts each phase's device half in a Ray actor and
+keeps the host half, with the one scheduler, in the engine.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,14 +35,16 @@ import numpy as np
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
-from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, canonical_dtype
+from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
-from phaseserve.engine.request import Request
+from phaseserve.engine.request import Limits, Request
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Sequence
-from phaseserve.sharding import pool_shardings, replicated, sharded_step
+from phaseserve.quant.policy import phase_policy
+from phaseserve.quant.quantize import quantize_params
+from phaseserve.sharding import make_mesh, phase_devices, pool_shardings, replicated, shard_params, sharded_step
 
 
 def bucket(n: int, lo: int = 1) -> int:
@@ -123,6 +131,60 @@ def scrub_pages(worker: Any, pages: list[int]) -> None:
         worker.pool = worker._clear(worker.pool, jnp.asarray(pages, jnp.int32))
 
 
+def chunk_groups(chunks: list[Chunk], max_prefill_tokens: int) -> list[list[Chunk]]:
+    """Batches of similar chunk lengths whose padded size stays within ``max_prefill_tokens``."""
+    groups, cur = [], []
+    for ch in sorted(chunks, key=lambda c: c.n):
+        t = bucket(ch.n, 16)
+        if cur and bucket(len(cur) + 1) * t > max(max_prefill_tokens, t):
+            groups.append(cur)
+            cur = []
+        cur.append(ch)
+    return groups + ([cur] if cur else [])
+
+
+def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> ChunkBatch:
+    """The host inputs of one chunk step for ``group`` (padded to a power of two rows and chunk length; the page
+    table as wide as the longest chunk needs, bucketed)."""
+    b, c = bucket(len(group)), bucket(max(ch.n for ch in group), 16)
+    need = max(-(-(ch.start + ch.n) // page_size) for ch in group)
+    pt, _, _ = tables.batch([ch.id for ch in group], pad_to=b)
+    pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
+    tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
+    valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    for i, ch in enumerate(group):
+        tokens[i, : ch.n] = ch.seq.tokens[ch.start: ch.start + ch.n]
+        positions[i] += ch.start
+        valid[i, : ch.n], lengths[i], last[i] = True, ch.start + ch.n, ch.n - 1
+    return ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last,
+                      page_table=pt, **sampling_rows([ch.seq for ch in group], b))
+
+
+def decode_inputs(tables: PageTables, rows: list[Sequence]) -> tuple[DecodeBatch, tuple]:
+    """The host inputs of one decode step for ``rows``: the batch (padded to a power of two rows, the page table
+    as wide as the rows' pages, bucketed) and the integrity check's ``(page_table, expected_tags, num_live)``."""
+    b = bucket(len(rows))
+    pt, expected, live = tables.batch([s.id for s in rows], pad_to=b)
+    width = min(width_bucket(int(live.max(initial=1))), pt.shape[1])  # as wide as the rows' pages (bucketed)
+    pt, expected = pt[:, :width], expected[:, :width]  # so the step reads what the rows hold, not the per-row cap
+    tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
+    for i, s in enumerate(rows):
+        tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
+    batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active, **sampling_rows(rows, b))
+    return batch, (pt, expected, live)
+
+
+def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt: np.ndarray,
+                   failures: dict[str, KVIntegrityError]) -> list[int]:
+    """After a decode step: the pages that may hold NaN/inf (every page of a row that read them; the page of this
+    step's token of a row that produced them), to be zeroed before anyone releases them."""
+    scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in tables.owned(rid)]
+    # a row that overflowed wrote NaN only into the page of this step's token (never a shared prompt page)
+    scrub += [tables.owned(s.id)[s.next_position // page_size]
+              for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_TOKEN]
+    return scrub
+
+
 class PrefillWorker:
     """Prefill weights and the prefill page pool (prefill KV dtype) on the prefill mesh, with the jitted chunk step
     and the page export of the handoff. The pool holds the KV of the prompts in progress only: a request gets its
@@ -131,7 +193,7 @@ class PrefillWorker:
     def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str,
                  prefill_kv_dtype: str, max_prefill_tokens: int, page_size: int, num_pages: int,
                  max_pages_per_seq: int, attn_impl: str = "auto", matmul_impl: str = "auto"):
-        self.cfg, self.params, self.max_prefill_tokens = cfg, params, max_prefill_tokens
+        self.cfg, self.params, self.mesh, self.max_prefill_tokens = cfg, params, mesh, max_prefill_tokens
         self.kv_dtype, self.pool_dtype = kv_dtype, canonical_dtype(prefill_kv_dtype)
         self.num_pages, self.page_size = num_pages, page_size
         pool = init_pool(cfg, num_pages, page_size, self.pool_dtype)
@@ -151,6 +213,11 @@ class PrefillWorker:
     def pool_ok(self) -> bool:
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
 
+    requeue_lost = False  # a lost pool ends its requests (a remote worker that restarts requeues the fresh ones)
+
+    def block(self) -> None:
+        jax.block_until_ready(self.pool)
+
     scrub = scrub_pages
 
     def reset_pool(self) -> None:
@@ -159,33 +226,17 @@ class PrefillWorker:
                                    self._pool_sharding)
 
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
-        """Batches of similar chunk lengths whose padded size stays within ``max_prefill_tokens``."""
-        groups, cur = [], []
-        for ch in sorted(chunks, key=lambda c: c.n):
-            t = bucket(ch.n, 16)
-            if cur and bucket(len(cur) + 1) * t > max(self.max_prefill_tokens, t):
-                groups.append(cur)
-                cur = []
-            cur.append(ch)
-        return groups + ([cur] if cur else [])
+        return chunk_groups(chunks, self.max_prefill_tokens)
 
     def run(self, group: list[Chunk]) -> np.ndarray:
         """One chunk step for ``group`` (each request's pages already allocated): the token sampled at each chunk's
         last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt)."""
-        b, c = bucket(len(group)), bucket(max(ch.n for ch in group), 16)
-        need = max(-(-(ch.start + ch.n) // self.page_size) for ch in group)
-        pt, _, _ = self.tables.batch([ch.id for ch in group], pad_to=b)
-        pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
-        tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
-        valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        for i, ch in enumerate(group):
-            tokens[i, : ch.n] = ch.seq.tokens[ch.start: ch.start + ch.n]
-            positions[i] += ch.start
-            valid[i, : ch.n], lengths[i], last[i] = True, ch.start + ch.n, ch.n - 1
-        batch = ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last,
-                           page_table=pt, **sampling_rows([ch.seq for ch in group], b))
+        return self.run_batch(chunk_batch(self.tables, self.page_size, group))[: len(group)]
+
+    def run_batch(self, batch: ChunkBatch) -> np.ndarray:
+        """The device half of :meth:`run`: one jitted chunk step; the sampled tokens i32[B] on the host."""
         first, self.pool = self._chunk(self.params, self.pool, batch)
-        return np.asarray(first)[: len(group)]
+        return np.asarray(first)
 
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
@@ -247,10 +298,16 @@ class DecodeWorker:
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self.sharding = rep
 
     def pool_ok(self) -> bool:
         """False when a failed call consumed the (donated) pool: its buffers are gone."""
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
+
+    requeue_lost = False
+
+    def block(self) -> None:
+        jax.block_until_ready(self.pool)
 
     scrub = scrub_pages
 
@@ -289,24 +346,72 @@ class DecodeWorker:
 
     def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
         """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""
-        b, ids = bucket(len(rows)), [s.id for s in rows]
-        pt, expected, live = self.tables.batch(ids, pad_to=b)
-        width = min(width_bucket(int(live.max(initial=1))), pt.shape[1])  # as wide as the rows' pages (bucketed)
-        pt, expected = pt[:, :width], expected[:, :width]  # so the step reads what the rows hold, not the per-row cap
-        tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
-        for i, s in enumerate(rows):
-            tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
-        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active,
-                            **sampling_rows(rows, b))
+        batch, check = decode_inputs(self.tables, rows)
+        nxt, failures, device_s = self.run_batch(batch, check, [s.id for s in rows])
+        self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
+        return nxt[: len(rows)], failures, device_s
+
+    def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str]) -> tuple[np.ndarray, dict, float]:
+        """The device half of :meth:`step`: the integrity check (``check`` = page table, expected tags, live pages)
+        and the jitted step; (next tokens i32[B], failures by id, device seconds)."""
+        pt, expected, live = check
+        b = len(batch.tokens)
         t0 = time.perf_counter()
         ok = self.tracker.check(pt, expected, live)
         nxt, self.pool, finite = self._decode(self.params, self.pool, batch, ok)
         nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
         device_s = time.perf_counter() - t0
         failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in self.tables.owned(rid)]
-        # a row that overflowed wrote NaN only into the page of this step's token (never a shared prompt page)
-        scrub += [self.tables.owned(s.id)[s.next_position // self.page_size]
-                  for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_TOKEN]
-        self.scrub(scrub)  # before any release: these pages go back to the free queue clean
-        return np.asarray(nxt[: len(rows)]), failures, device_s
+        return np.asarray(nxt), failures, device_s
+
+
+class PhaseWorkers(NamedTuple):
+    """The two workers an :class:`~phaseserve.engine.engine.Engine` drives (local, or proxies to remote ones)."""
+
+    prefill: Any
+    decode: Any
+
+
+def build_decode(cfg: ModelConfig, params: Any, serve: ServeConfig, devices: list, *, attn_impl: str = "auto",
+                 matmul_impl: str = "auto") -> DecodeWorker:
+    """The decode worker on ``devices`` (exactly ``decode_tp * decode_ep``): decode weights, the page pool."""
+    m, c = serve.mesh, serve.cache
+    mesh = make_mesh(devices, tp=m.decode_tp, ep=m.decode_ep)
+    params = shard_params(cfg, quantize_params(params, phase_policy(serve.quant, "decode")), mesh)
+    kv_dtype = canonical_dtype(serve.quant.kv_dtype)
+    return DecodeWorker(cfg, params, mesh, kv_dtype=kv_dtype, num_pages=cache_pages(cfg, c, kv_dtype, devices[0]),
+                        page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq, integrity=c.integrity,
+                        attn_impl=attn_impl, matmul_impl=matmul_impl)
+
+
+def build_prefill(cfg: ModelConfig, params: Any, serve: ServeConfig, mesh: jax.sharding.Mesh, decode_pages: int, *,
+                  attn_impl: str = "auto", matmul_impl: str = "auto") -> PrefillWorker:
+    """The prefill worker on ``mesh`` with ``params`` already in the prefill representation on it; its pool is
+    sized from the limits of a decode pool of ``decode_pages`` pages (:func:`prefill_pages`)."""
+    limits = Limits.of(cfg, serve, decode_pages)
+    return PrefillWorker(cfg, params, mesh, kv_dtype=canonical_dtype(serve.quant.kv_dtype),
+                         prefill_kv_dtype=serve.quant.prefill_kv_dtype, max_prefill_tokens=serve.max_prefill_tokens,
+                         page_size=serve.cache.page_size, max_pages_per_seq=limits.max_pages,
+                         num_pages=prefill_pages(limits, serve.max_prefill_tokens), attn_impl=attn_impl,
+                         matmul_impl=matmul_impl)
+
+
+def prefill_params(cfg: ModelConfig, params: Any, serve: ServeConfig, mesh: jax.sharding.Mesh) -> Any:
+    """``params`` in the prefill representation (``QuantConfig.prefill_weights``), sharded on ``mesh``."""
+    return shard_params(cfg, quantize_params(params, phase_policy(serve.quant, "prefill")), mesh)
+
+
+def local_workers(cfg: ModelConfig, params: Any, serve: ServeConfig, attn_impl: str = "auto",
+                  matmul_impl: str = "auto", devices: list | None = None) -> PhaseWorkers:
+    """Both phases in this process, over ``devices`` (default ``jax.devices()``): disaggregated, each on its own
+    mesh with its own weight copy; colocated, one mesh and the decode weights for both."""
+    m = serve.mesh
+    pre_devs, dec_devs = phase_devices(devices if devices is not None else jax.devices(), m, serve.mode)
+    decode = build_decode(cfg, params, serve, dec_devs, attn_impl=attn_impl, matmul_impl=matmul_impl)
+    if serve.mode == "colocated":
+        mesh, pparams = decode.mesh, decode.params
+    else:
+        mesh = make_mesh(pre_devs, tp=m.prefill_tp)
+        pparams = prefill_params(cfg, params, serve, mesh)
+    prefill = build_prefill(cfg, pparams, serve, mesh, decode.num_pages, attn_impl=attn_impl, matmul_impl=matmul_impl)
+    return PhaseWorkers(prefill, decode)

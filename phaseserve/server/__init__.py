@@ -1,4 +1,4 @@
-"""``phaseserve.server``: an OpenAI-compatible HTTP server over the engine (or the multi-process router).
+"""``phaseserve.server``: an OpenAI-compatible HTTP server over the engine (in process or on Ray).
 
     python -m phaseserve.server                       # the shipped default model on http://127.0.0.1:8000/v1
     python -m phaseserve.server experiment.port=8001 engine.mode=colocated quant=f32
@@ -11,6 +11,6 @@ backend -> uvicorn). It holds no scheduling logic: batching, admission and preem
 """
 
 from phaseserve.server.app import create_app
-from phaseserve.server.loop import EngineBackend, EngineLoop, RouterBackend
+from phaseserve.server.loop import EngineBackend, EngineLoop
 
-__all__ = ["EngineBackend", "EngineLoop", "RouterBackend", "create_app"]
+__all__ = ["EngineBackend", "EngineLoop", "create_app"]

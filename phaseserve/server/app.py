@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP application (FastAPI): completions, chat completions, models, health, metrics.
 
 ``create_app(backend, tokenizer, model_name, stream_interval)`` wraps an
-:class:`~phaseserve.server.loop.EngineBackend` (or a ``RouterBackend``) in an
+:class:`~phaseserve.server.loop.EngineBackend` (an in-process or a Ray engine) in an
 :class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and format, so no handler blocks the
 engine and every client's requests share its continuous batch. ``backend`` may also be a list -- data-parallel
 replicas behind one endpoint (e.g. the engines of a :class:`phaseserve.ReplicatedEngine`), one loop thread each:

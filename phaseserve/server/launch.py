@@ -6,8 +6,9 @@ its ``experiment`` node:
 
 - ``experiment.backend=engine``: one process; ``engine.mode`` colocated or disaggregated (prefill and decode on their
   own meshes, each with its own weight representation -- ``quant=phase`` by default);
-- ``experiment.backend=router``: multi-process disaggregated serving (a prefill server process, a decode server
-  process and the router of :mod:`phaseserve.serving`, KV pulled between them), same ``ServeConfig``.
+- ``experiment.backend=ray``: disaggregated serving on Ray (:class:`phaseserve.distributed.RayEngine`): the same
+  engine, its prefill and decode workers in Ray actors that own their devices (``experiment.ray``: the cluster
+  address -- else ``RAY_ADDRESS``, else a local cluster --, per-phase node resources, restarts).
 
 The tokenizer is the checkpoint's ``tokenizer.json`` (a byte-level one, :mod:`phaseserve.data.tokenizer`, as the
 shipped default model has); a checkpoint without one is refused with a :class:`~phaseserve.ConfigError`.
@@ -26,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from phaseserve.config import ConfigError
-from phaseserve.config_hydra import repo_path, serve_config
+from phaseserve.config_hydra import repo_path
 from phaseserve.data.tokenizer import ByteTokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -54,10 +55,10 @@ def tokenizer_of(cfg: DictConfig) -> ByteTokenizer:
 
 
 def build_backend(cfg: DictConfig) -> Any:
-    """The engine backend the config asks for (weights loaded, engine or server processes started); with
+    """The engine backend the config asks for (weights loaded, engine built, or its Ray actors started); with
     ``mesh.replicas`` > 1 (engine backend), a list of them: the engines of a :class:`phaseserve.ReplicatedEngine`,
     one per device block, each to be driven by its own loop thread."""
-    from phaseserve.server.loop import EngineBackend, RouterBackend
+    from phaseserve.server.loop import EngineBackend
 
     backend = cfg.experiment.backend
     if backend == "engine":
@@ -66,14 +67,11 @@ def build_backend(cfg: DictConfig) -> Any:
         if int(cfg.mesh.get("replicas", 1)) > 1:
             return [EngineBackend(e) for e in ReplicatedEngine.from_hydra(cfg).engines]
         return EngineBackend(Engine.from_hydra(cfg))
-    if backend != "router":
-        raise ConfigError(f"experiment.backend must be 'engine' or 'router', got {backend!r}")
-    from phaseserve.serving import ModelSpec, Router, ServerSpec
-    from phaseserve.serving.router import model_config
+    if backend != "ray":
+        raise ConfigError(f"experiment.backend must be 'engine' or 'ray', got {backend!r}")
+    from phaseserve.distributed import RayEngine
 
-    mspec = ModelSpec.from_hydra(cfg)
-    serve = serve_config(cfg, model_config(ServerSpec(model=mspec, serve=None)))
-    return RouterBackend(Router(ServerSpec(model=mspec, serve=serve), ServerSpec(model=mspec, serve=serve)))
+    return EngineBackend(RayEngine.from_hydra(cfg))
 
 
 def serve(cfg: DictConfig) -> None:

@@ -1,4 +1,4 @@
-"""The engine loop: one thread owns the engine (or the multi-process router) and the HTTP layer never blocks it.
+"""The engine loop: one thread owns the engine and the HTTP layer never blocks it.
 
 ::
 
@@ -14,14 +14,11 @@
 
 Every request in flight, from every HTTP client, is in the same engine, so continuous batching works across
 clients. The loop reads each request's progress off its :class:`~phaseserve.RequestOutput` (tokens appended,
-``finish_reason`` set), which both backends update in place:
+``finish_reason`` set), which the engine updates in place. :class:`EngineBackend` drives a
+:class:`phaseserve.Engine` (colocated or disaggregated in process, or a :class:`phaseserve.distributed.RayEngine`
+whose workers are Ray actors) by ``add_request`` / ``step`` / ``cancel``, and reports its ``health()``.
 
-- :class:`EngineBackend`: an in-process :class:`phaseserve.Engine` (colocated or disaggregated), driven by
-  ``add_request`` / ``step`` / ``cancel``;
-- :class:`RouterBackend`: a :class:`phaseserve.serving.Router` over prefill and decode server processes, driven
-  by ``submit`` / ``poll`` / ``cancel``.
-
-Each backend also reports gauges and running totals (:meth:`EngineBackend.stats`) for ``/metrics``. When idle,
+The backend also reports gauges and running totals (:meth:`EngineBackend.stats`) for ``/metrics``. When idle,
 the engine backend starts a fresh measurement window (``Engine.reset_metrics``) so a long-running server does
 not keep every finished output; the totals it reports carry over.
 """
@@ -66,8 +63,8 @@ class EngineBackend:
         return self.engine.cancel(rid)
 
     def health(self) -> str | None:
-        """None while it can serve (in process: as long as its loop thread runs), else why not."""
-        return None
+        """None while it can serve, else why not (``Engine.health``: a Ray engine names the actor that is down)."""
+        return self.engine.health()
 
     @property
     def has_work(self) -> bool:
@@ -103,49 +100,7 @@ class EngineBackend:
         return out
 
     def close(self) -> None:
-        pass
-
-
-class RouterBackend:
-    """A :class:`phaseserve.serving.Router` (prefill and decode server processes); ``advance`` relays messages."""
-
-    def __init__(self, router: Any, poll_s: float = 0.002):
-        self.router, self.poll_s = router, poll_s
-
-    @property
-    def limits(self) -> Any:
-        return self.router.limits
-
-    def submit(self, req: Request) -> RequestOutput:
-        return self.router.submit(req)
-
-    def cancel(self, rid: str) -> bool:
-        return self.router.cancel(rid)
-
-    def health(self) -> str | None:
-        """None while both server processes live, else which is dead (every request would fail meanwhile)."""
-        dead = sorted(set(self.router.dead) | {r for r, p in self.router.procs.items() if not p.is_alive()})
-        return f"the {' and '.join(dead)} server process{'es are' if len(dead) > 1 else ' is'} dead" if dead else None
-
-    @property
-    def has_work(self) -> bool:
-        return self.router.has_work
-
-    def advance(self, deliver: Callable[[], None] | None = None) -> None:
-        self.router.poll(self.poll_s)  # tokens arrive as the servers send them: delivered after the poll
-
-    def idle(self) -> None:
-        r = self.router  # forget finished requests (the router keeps them to refuse a reused id while in flight)
-        for rid in [k for k, s in r.state.items() if s == "done"]:
-            for table in (r.state, r.outputs, r.requests, r.descriptors):
-                table.pop(rid, None)
-
-    def stats(self) -> dict[str, float]:
-        states = list(self.router.state.values())
-        return {"running": states.count("decode"), "waiting": states.count("prefill")}
-
-    def close(self) -> None:
-        self.router.shutdown()
+        self.engine.close()
 
 
 @dataclass

@@ -1,24 +1,22 @@
-"""Multi-process (and multi-host) disaggregated serving: prefill and decode server processes and a router.
+"""The cross-process pieces of disaggregated serving (the Ray backend, ``phaseserve.distributed``, uses them).
 
-- ``protocol``: control messages, :class:`TransferDescriptor`, typed errors (:class:`StaleDescriptorError`,
-  :class:`TransferTimeoutError`, :class:`PeerDeadError`), server specs, spawn environment.
-- ``transfer``: KV over ``jax.experimental.transfer`` -- the prefill side's tag-checked :class:`StagingArea`,
-  the decode side's :class:`Puller` and :class:`PendingPull`.
-- ``prefill_server`` / ``decode_server``: the two server processes.
-- ``router``: :class:`Router` starts both, admits requests, relays the control plane, notices dead peers.
+- ``protocol``: :class:`TransferDescriptor`, the typed errors that end a request because of the distributed
+  machinery (:class:`StaleDescriptorError`, :class:`TransferTimeoutError`, :class:`TransferError`,
+  :class:`PeerDeadError`), :class:`ModelSpec` (how a process gets its weights).
+- ``transfer``: KV over ``jax.experimental.transfer`` -- the source side's tag-checked :class:`StagingArea`, the
+  receiving side's :class:`Puller`.
 - ``multihost``: ``jax.distributed`` bring-up for meshes that span processes or hosts.
 """
 
 from phaseserve.serving.protocol import (
     ModelSpec,
     PeerDeadError,
-    ServerSpec,
     ServingError,
     StaleDescriptorError,
     TransferDescriptor,
+    TransferError,
     TransferTimeoutError,
 )
-from phaseserve.serving.router import Router
 
-__all__ = ["ModelSpec", "PeerDeadError", "Router", "ServerSpec", "ServingError", "StaleDescriptorError",
-           "TransferDescriptor", "TransferTimeoutError"]
+__all__ = ["ModelSpec", "PeerDeadError", "ServingError", "StaleDescriptorError", "TransferDescriptor",
+           "TransferError", "TransferTimeoutError"]

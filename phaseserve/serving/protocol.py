@@ -1,23 +1,9 @@
-"""Control plane of multi-process serving: messages, transfer descriptors, typed errors, process launch.
+"""Typed errors, transfer descriptors and model specs of cross-process serving (``phaseserve.distributed``).
 
-Three kinds of process talk over ``multiprocessing`` queues (spawn context), hub and spoke through the router::
-
-    router (parent)  --("prompt", Request)-------------------------->  prefill server
-                     <-("prefilled", rid, first_token, descriptor)---
-                     --("kv_ready", Request, first_token, descriptor)->  decode server
-    decode  --("serve", rid, descriptor)--> router --> prefill    (ask the prefill side to arm the pull)
-    prefill --("serve_reply", rid, uuid, error)--> router --> decode   (granted: error None; else a refusal)
-    decode  --("pull", uuid, avals)==== jax.experimental.transfer (KV bytes, never through the queues) ====> prefill
-    decode  --("release", uuid)--> router --> prefill         (transfer landed: staging pages may be freed)
-    decode  --("tokens", [(rid, tok)]), ("finished", rid, reason, error)--> router
-
-The KV itself never crosses a queue: a :class:`TransferDescriptor` names where it is (the prefill server's
-transfer address, the pull ``uuid``), what it is (flat leaf shapes and dtypes, the prompt length), and which
-staging pages hold it with the tag each had when it was staged. The prefill side checks the descriptor when the
+The KV itself never crosses the control plane: a :class:`TransferDescriptor` names where it is (the source's
+transfer address and incarnation, the pull ``uuid``), what it is (flat leaf shapes and dtypes, the length), and
+which staging pages hold it with the tag each had when it was staged. The source checks the descriptor when the
 pull is requested and arms ``await_pull`` only if it matches (see ``transfer.StagingArea``).
-
-Errors cross process boundaries as ``(class name, message)`` pairs and are rebuilt by :func:`rebuild_error`:
-exception objects with custom constructors do not pickle reliably.
 """
 
 from __future__ import annotations
@@ -25,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-from phaseserve.engine.request import NonFiniteLogitsError, RequestError
 
 
 # ---- typed errors ---------------------------------------------------------------------------------------
@@ -58,50 +42,6 @@ class PeerDeadError(ServingError):
 class TransferError(ServingError):
     """A KV transfer failed: the pulled buffers carry an error (e.g. the prefill peer died mid-pull), or landing
     them in the request's pages raised."""
-
-
-class BadMessageError(ServingError):
-    """A control message a server could not act on (malformed, wrong types, or naming an unknown request)."""
-
-
-def bad_message(msg: Any, err: Exception) -> tuple[str | None, Exception]:
-    """A control message whose handling raised ``err``: the request id it names (None if none) and a typed error
-    for that request (``err`` itself when it is already a request or serving error)."""
-    rid = msg[1] if isinstance(msg, tuple) and len(msg) > 1 else None
-    rid = getattr(rid, "id", rid)
-    if not isinstance(err, RequestError | ServingError):
-        err = BadMessageError(f"bad message {str(msg)[:80]!r}: {err!r:.200}")
-    return (rid if isinstance(rid, str) else None), err
-
-
-def _subclasses(c: type) -> list[type]:
-    return [c] + [x for s in c.__subclasses__() for x in _subclasses(s)]
-
-
-ERRORS = {c.__name__: c for c in _subclasses(ServingError) + _subclasses(RequestError) + [NonFiniteLogitsError]}
-
-
-def error_tuple(err: BaseException | None) -> tuple[str, str, str] | None:
-    """An exception as ``(class name, message, kind)`` for a queue."""
-    if err is None:
-        return None
-    return type(err).__name__, str(err), getattr(err, "kind", "")
-
-
-def rebuild_error(t: tuple[str, str, str] | None) -> Exception | None:
-    """Inverse of :func:`error_tuple` (unknown classes come back as :class:`ServingError`)."""
-    if t is None:
-        return None
-    name, msg, kind = t
-    if name == "StaleDescriptorError":
-        return StaleDescriptorError(msg, kind or "stale")
-    if name == "KVIntegrityError":
-        from phaseserve.cache.integrity import KVIntegrityError
-
-        e = KVIntegrityError("?", msg, kind or "tag")
-        e.args = (msg,)
-        return e
-    return ERRORS.get(name, ServingError)(msg)
 
 
 # ---- descriptors ----------------------------------------------------------------------------------------
@@ -167,21 +107,6 @@ class ModelSpec:
         return cfg, ps.init_params(cfg, jax.random.key(self.seed), self.dtype)
 
 
-@dataclass
-class ServerSpec:
-    """Everything one server process needs (picklable; built by the router from one config)."""
-
-    model: ModelSpec
-    serve: Any  # phaseserve.config.ServeConfig
-    host_devices: int = 1  # CPU devices this process simulates (its mesh is built over them)
-    transfer_timeout_s: float = 10.0  # a grant + pull must land within this, else TransferTimeoutError
-    staging_ttl_s: float = 120.0  # prefill: staged KV never pulled nor released (lost messages) is freed after this
-    staging_pages: int = 4096  # prefill: staging capacity in pages
-    bind: str = "127.0.0.1"  # transfer server bind host (a routable interface on real multi-host setups)
-    faults: dict = field(default_factory=dict)  # fault injection, e.g. {"arm_delay_s": {"r3": 2.0}}
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache shared by the server processes
-
-
 # ---- process launch -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def child_env(host_devices: int, cache_dir: str | None = None):
@@ -206,13 +131,3 @@ def child_env(host_devices: int, cache_dir: str | None = None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def exit_child(*queues) -> None:
-    """Flush our queues and leave without running interpreter teardown (the transfer server's threads may still
-    hold a pull that never comes; a normal exit would wait for them)."""
-    for q in queues:
-        with contextlib.suppress(Exception):
-            q.close()
-            q.join_thread()
-    os._exit(0)

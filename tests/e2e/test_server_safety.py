@@ -20,7 +20,7 @@ import phaseserve as ps
 from lab.eval.demo import default_model_path
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine.request import Limits
-from phaseserve.server import EngineBackend, RouterBackend, create_app
+from phaseserve.server import EngineBackend, create_app
 from phaseserve.server.launch import start_in_thread
 
 MODEL = "phaseserve-default"
@@ -199,18 +199,21 @@ def test_client_mistakes_are_4xx_in_the_openai_shape_without_a_traceback(server,
 LIMITS = Limits(vocab_size=264, max_context=64, page_size=16, max_pages=4)
 
 
-class _Proc:
-    def __init__(self, alive: bool):
-        self.alive, self.exitcode = alive, None if alive else -9
+class _HealthBackend(EngineBackend):
+    """An idle backend whose engine reports ``down`` (None: it serves), as a Ray engine does while an actor is
+    dead or restarting (``RayEngine.health``)."""
 
-    def is_alive(self) -> bool:
-        return self.alive
+    def __init__(self, down: str | None):
+        self.engine = SimpleNamespace(health=lambda: down, close=lambda: None)
 
+    limits = LIMITS
+    has_work = False
 
-def _stub_router(decode_alive: bool):
-    return SimpleNamespace(limits=LIMITS, procs={"prefill": _Proc(True), "decode": _Proc(decode_alive)}, dead=set(),
-                           state={}, outputs={}, requests={}, descriptors={}, has_work=False,
-                           poll=lambda timeout=0: 0, shutdown=lambda: None)
+    def stats(self):
+        return {"running": 0, "waiting": 0}
+
+    def idle(self):
+        pass
 
 
 class _BrokenBackend(EngineBackend):
@@ -229,12 +232,12 @@ class _BrokenBackend(EngineBackend):
         pass
 
 
-@pytest.mark.parametrize("case", ["dead decode server", "dead engine loop", "all alive"])
+@pytest.mark.parametrize("case", ["decode actor down", "dead engine loop", "all alive"])
 def test_health_reflects_the_backend(case):
     if case == "dead engine loop":
         backend = _BrokenBackend()
     else:
-        backend = RouterBackend(_stub_router(decode_alive=case == "all alive"), poll_s=0.001)
+        backend = _HealthBackend(None if case == "all alive" else "the decode actor is down")
     app = create_app(backend, TOK, MODEL)
     srv, thread, base = start_in_thread(app)
     try:
@@ -244,6 +247,8 @@ def test_health_reflects_the_backend(case):
             loop._thread.join(10)
         status, text = _http(port, "GET", "/health", key=None)
         assert status == (200 if case == "all alive" else 503), (case, status, text)
+        if case == "decode actor down":
+            assert "the decode actor is down" in text
     finally:
         srv.should_exit = True
         thread.join(30)

@@ -1,18 +1,19 @@
-"""GLM-5 DSA across processes: a prefill server hands the prompt's FP8 latents *and* FP8 index keys to a decode
-server through the transfer layer; the tokens equal the single-process engine's (FP8 KV) for generations running
-past ``index_topk``. Children are spawned with ``JAX_PLATFORMS=cpu``; every wait has a timeout."""
+"""GLM-5 DSA on the Ray backend: the prefill actor hands the prompt's FP8 latents *and* FP8 index keys to the decode
+actor over the transfer layer; the tokens equal the in-process engine's (FP8 KV) for generations running past
+``index_topk``. A local Ray cluster; every wait has a timeout."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 
 import phaseserve as ps
+from phaseserve.distributed import RayEngine, RayOptions
 from phaseserve.engine import Request
-from phaseserve.serving import ModelSpec, Router, ServerSpec
+from phaseserve.serving import ModelSpec
 from tests.e2e.engine_utils import F32, serve_config
 from tests.parity.hf_models import build, dsa_config
 
@@ -22,7 +23,7 @@ FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
 
 
 @pytest.mark.parametrize("lengths", [(6, 12)])
-def test_two_processes_carry_index_keys(tmp_path, lengths):
+def test_ray_actors_carry_index_keys(tmp_path, lengths):
     build(dsa_config(8, ["full", "shared", "full"]), tmp_path, seed=5)
     cfg, params = ps.load_checkpoint(tmp_path, dtype="float32")
     rng = np.random.default_rng(0)
@@ -30,12 +31,13 @@ def test_two_processes_carry_index_keys(tmp_path, lengths):
             for i, n in enumerate(lengths)]
     serve = serve_config("disaggregated", quant=FP8_KV, num_pages=64, max_batch=4)
     ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve).generate(reqs)}
-    spec = ServerSpec(model=ModelSpec(checkpoint=str(tmp_path)), serve=serve, staging_ttl_s=30.0,
-                      transfer_timeout_s=240.0, compilation_cache_dir=str(Path(tmp_path) / "jax_cache"))
-    router = Router(spec, spec)
+    engine = RayEngine(ModelSpec(checkpoint=str(tmp_path)), serve, RayOptions(transfer_timeout_s=240.0))
     try:
-        outs = router.generate(reqs, timeout_s=600)
+        outs = engine.generate(reqs)
+        engine.check_invariants()
+        assert engine.allocator.num_used == 0 and engine.prefill.allocator.num_used == 0
     finally:
-        router.shutdown()
+        engine.close()
+        ray.shutdown()
     assert all(o.error is None and o.finish_reason == "length" for o in outs), [o.error for o in outs]
     assert {o.id: o.tokens for o in outs} == ref

@@ -1,0 +1,237 @@
+"""Disaggregated serving on Ray (``experiment.backend=ray``): prefill and decode actors on two Ray nodes.
+
+One module-wide deployment: a ``ray.cluster_utils.Cluster`` with two nodes on this machine (the head offers the
+custom resource ``prefill``, the second node ``decode``), the server built the way ``python -m phaseserve.server
+experiment.backend=ray`` builds it (``launch.build_backend``), and the in-process engine of the same config as the
+reference. Checks: 32 concurrent streams through the official ``openai`` client give the in-process engine's greedy
+text, each actor runs on its own node; killing the decode actor mid-stream ends the streams in flight (typed
+``PeerDeadError``), /health is 503 until Ray has restarted it and 200 after, new requests get the reference text
+again, no page is left held on either side; prefix reuse works on the Ray path; a forged or replayed transfer
+descriptor is refused with a typed ``StaleDescriptorError``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import time
+
+import jax
+import openai
+import pytest
+import ray
+
+import phaseserve as ps
+from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.engine import Engine
+from phaseserve.server import EngineBackend, create_app
+from phaseserve.server.launch import build_backend, compose, start_in_thread
+from phaseserve.serving.protocol import StaleDescriptorError
+
+MODEL = "phaseserve-default"
+TOK = ByteTokenizer()
+OVERRIDES = ["engine.max_batch=32", "cache.num_pages=640"]
+PROMPTS = [f"def f{i}(x):\n    return x * {i} + " for i in range(32)]
+
+
+def _serve(backend):
+    app = create_app(backend, TOK, MODEL)
+    srv, thread, base = start_in_thread(app)
+    return app, srv, thread, base
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill": 1},
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"decode": 1})
+    cluster.wait_for_nodes()
+    cfg = compose(OVERRIDES + ["experiment.backend=ray", f"experiment.ray.address={cluster.address}",
+                               "+experiment.ray.prefill.resources.prefill=1",
+                               "+experiment.ray.decode.resources.decode=1"])
+    backend = build_backend(cfg)
+    engine = backend.engine
+    engine.warm_handoff()
+    app, srv, thread, base = _serve(backend)
+    ref = Engine.from_hydra(compose(OVERRIDES))
+    ref_app, ref_srv, ref_thread, ref_base = _serve(EngineBackend(ref))
+    yield {"engine": engine, "cluster": cluster, "base": base, "ref_base": ref_base, "app": app, "ref_app": ref_app}
+    for s, t in ((srv, thread), (ref_srv, ref_thread)):
+        s.should_exit = True
+        t.join(30)
+    engine.close()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _stream(base: str, prompt: str, max_tokens: int = 16) -> str:
+    stream = _client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
+def _texts(base: str, prompts: list[str], max_tokens: int = 16) -> list[str]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _stream(base, p, max_tokens), prompts))
+
+
+def _health(base: str) -> int:
+    conn = http.client.HTTPConnection(base.split("//")[1].split(":")[0], int(base.rsplit(":", 1)[1]), timeout=30)
+    conn.request("GET", "/health")
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def _in_loop(app, fn):
+    """``fn(engine)`` in the engine loop's thread, once nothing is in flight."""
+    return app.state.loops[0].run_exclusive(lambda b: fn(b.engine)).result(timeout=300)
+
+
+def _no_leaks(engine) -> None:
+    engine.check_invariants()
+    assert engine.allocator.num_used == 0 and engine.prefill.allocator.num_used == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    staged = engine.prefill.snapshot()  # staged KV is released once landed
+    assert staged["staged"] == 0 and staged["staging_pages_in_use"] == 0, staged
+
+
+def test_32_concurrent_streams_on_two_nodes_equal_the_in_process_engine(deployment):
+    engine = deployment["engine"]
+    nodes = {p: w.info["node_id"] for p, w in engine.phases.items()}
+    assert nodes["prefill"] != nodes["decode"]  # each phase on its own Ray node (custom resources)
+    assert nodes["prefill"] == deployment["cluster"].head_node.node_id
+    got = _texts(deployment["base"], PROMPTS, max_tokens=10)
+    want = _texts(deployment["ref_base"], PROMPTS, max_tokens=10)
+    assert got == want
+    assert all(len(TOK.encode(t)) >= 6 for t in got)
+    assert engine.handoff.bytes_moved > 0
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def test_prefix_reuse_on_the_ray_path(deployment):
+    prefix = "# shared system prompt, long enough for whole pages of KV to be reused by later requests.\n" * 2
+    reqs = lambda tag: [ps.Request(id=f"{tag}{i}", prompt=TOK.encode(prefix + f"x{i} =", bos=True),  # noqa: E731
+                                   max_tokens=8) for i in range(4)]
+
+    def run(engine):
+        engine.generate(reqs("warm"))  # registers the prefix pages
+        hits = engine.scheduler.hit_pages
+        outs = engine.generate(reqs("p"))
+        return [o.tokens for o in outs], engine.scheduler.hit_pages - hits
+
+    tokens, hits = _in_loop(deployment["app"], run)
+    ref_tokens, ref_hits = _in_loop(deployment["ref_app"], run)
+    assert hits >= 4 * 2 and hits == ref_hits  # every request found the shared pages cached, as in process
+    assert tokens == ref_tokens
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def test_a_forged_or_replayed_descriptor_is_refused_typed(deployment):
+    def forge(engine):
+        staged = engine.prefill.export([0])  # the null page, staged for a pull
+        desc = staged.descriptor
+        out = {}
+        for name, bad in (("stale_tag", desc.replace(tags=tuple(t + 1 for t in desc.tags))),
+                          ("unknown", desc.replace(uuid=desc.uuid + 10**6)),
+                          ("mismatch", desc.replace(length=desc.length + 1))):
+            with pytest.raises(StaleDescriptorError) as e:
+                engine.prefill.call("arm", bad, desc.request_id)
+            out[name] = e.value.kind
+        engine.decode.land([0], staged)  # the genuine one lands (and is released)
+        with pytest.raises(StaleDescriptorError) as e:
+            engine.prefill.call("arm", desc, desc.request_id)  # a replay of a consumed descriptor
+        out["replayed"] = e.value.kind
+        assert engine.prefill.pool_ok() and engine.decode.pool_ok()  # refusals are typed errors, not deaths
+        return out
+
+    kinds = _in_loop(deployment["app"], forge)
+    assert kinds == {"stale_tag": "stale_tag", "unknown": "unknown", "mismatch": "mismatch", "replayed": "unknown"}
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def test_killing_the_decode_actor_mid_stream_ends_only_those_streams_and_the_service_heals(deployment):
+    engine, base = deployment["engine"], deployment["base"]
+    deaths = engine.decode.deaths
+    started: set[str] = set()
+    all_started = concurrent.futures.Future()
+
+    def long_stream(prompt: str) -> int:
+        stream = _client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=120, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        n = 0
+        for c in stream:
+            n += len(c.choices[0].text) if c.choices else 0
+            if n and prompt not in started:
+                started.add(prompt)
+                if len(started) == 4:
+                    all_started.set_result(True)
+        return n
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futs = [pool.submit(long_stream, p) for p in PROMPTS[:4]]
+        all_started.result(timeout=180)  # every stream has text: its request is decoding
+        ray.kill(engine.actors["decode"], no_restart=False)
+        errors = []
+        for f in futs:
+            with pytest.raises(openai.APIError) as e:
+                f.result(timeout=120)
+            errors.append(str(e.value))
+        assert all("PeerDeadError" in m for m in errors), errors
+        statuses = [_health(base)]
+        late = pool.submit(_stream, base, PROMPTS[4])  # sent while the actor is down: waits, then is served
+        end = time.monotonic() + 240
+        while time.monotonic() < end and not (statuses[-1] == 200 and 503 in statuses):
+            time.sleep(0.2)
+            statuses.append(_health(base))
+        assert 503 in statuses and statuses[-1] == 200, statuses[-5:]
+        assert late.result(timeout=240) == _stream(deployment["ref_base"], PROMPTS[4])
+    assert engine.decode.deaths == deaths + 1 and engine.prefill.deaths == 0
+    got = _texts(base, PROMPTS[5:9])  # served by the restarted actor, the same greedy text
+    assert got == _texts(deployment["ref_base"], PROMPTS[5:9])
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def test_a_lost_pool_of_a_restarting_worker_requeues_what_emitted_nothing():
+    """The engine's side of a worker death, without Ray: a decode pool lost by a worker that restarts
+    (``requeue_lost``) ends the request that streamed tokens and requeues the one still prefilling, which then
+    gives the tokens it gives alone; nothing leaks."""
+    from tests.e2e.engine_utils import serve_config
+
+    cfg, params = ps.load_checkpoint("models/default", dtype="float32")
+    serve = serve_config("colocated", max_prefill_tokens=16, page_size=16, num_pages=64)
+    a = ps.Request(id="a", prompt=TOK.encode("import os", bos=True), max_tokens=20, ignore_eos=True)
+    b = ps.Request(id="b", prompt=TOK.encode("def long_prompt(x):\n    return x * 2 + 1  # chunked", bos=True),
+                   max_tokens=6, ignore_eos=True)
+    alone = Engine(cfg, params, serve).generate([b])[0].tokens
+    engine = Engine(cfg, params, serve)
+    engine.decode.requeue_lost = True  # as a remote worker's: its actor restarts with an empty pool
+    out_a = engine.add_request(a)
+    while not out_a.tokens:
+        engine.step()
+    out_b = engine.add_request(b)
+    engine.step()  # b is admitted; its prompt needs several chunks of 16 tokens
+    seq_b = engine._seqs["b"]
+    assert seq_b.prefilling and not out_b.tokens
+
+    def lose_pool(eng, rows):
+        for x in jax.tree.leaves(eng.decode.pool):
+            x.delete()
+        raise RuntimeError("the decode worker died")
+
+    engine.fault_hooks.append(lose_pool)
+    engine.step()  # b's next chunk, then a's decode step loses the pool
+    engine.fault_hooks.clear()
+    assert out_a.finish_reason == "aborted" and "died" in str(out_a.error)
+    assert seq_b in engine.scheduler.waiting and seq_b.computed == 0 and "b" not in engine.tables
+    while engine.has_work:
+        engine.step()
+    assert out_b.finish_reason == "length" and out_b.tokens == alone
+    engine.check_invariants()
+    assert engine.allocator.num_used == 0 and engine.prefill.tables.allocator.num_used == 0
