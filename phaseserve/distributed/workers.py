@@ -67,7 +67,6 @@ class RemoteWorker:
     sharding = None  # payloads are descriptors, never device arrays here
     mesh = None
     params = None
-    requeue_lost = True  # the actor restarts: requests that emitted nothing are served again
 
     def __init__(self, phase: str, handle: Any, info: dict, *, transfer_timeout_s: float = 30.0):
         self.phase, self.handle, self.info = phase, handle, info
@@ -106,7 +105,19 @@ class RemoteWorker:
             raise cause from None
 
     def pool_ok(self) -> bool:
-        return self.lost is None
+        """False when the actor died, or (asked after a call raised) a failed call consumed its pool."""
+        if self.lost is not None:
+            return False
+        try:
+            return bool(self.call("pool_ok"))
+        except PeerDeadError:
+            return False
+
+    @property
+    def requeue_lost(self) -> bool:
+        """A pool lost with its actor (not consumed by a failing call): the actor restarts, so the requests that
+        emitted nothing are served again instead of failing (a request whose own step keeps failing is not)."""
+        return self.lost is not None
 
     def reset_pool(self) -> None:
         """After the engine ended (or requeued) every request whose KV was in the pool: it is empty here; a lost
