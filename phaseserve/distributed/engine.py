@@ -154,6 +154,10 @@ class RayEngine(Engine):
                     ray.kill(a, no_restart=True)
             raise
         self.actors = {"prefill": prefill, "decode": decode}
+        if options.staging_pages < pinfo["num_pages"]:  # one handoff stages at most the prefill pool's pages
+            self.close()
+            raise ConfigError(f"RayOptions.staging_pages={options.staging_pages} is below the prefill pool's "
+                              f"{pinfo['num_pages']} pages: a handoff could never be staged")
         limits = Limits.of(cfg, serve, dinfo["num_pages"])
         c = serve.cache
         if dinfo["kv_dtype"] != canonical_dtype(serve.quant.kv_dtype):

@@ -1,6 +1,6 @@
 """Requests, their outputs and the typed errors a request can end with.
 
-A :class:`Request` is what a user submits; the engine (and the multi-process router) validates it on arrival
+A :class:`Request` is what a user submits; the engine (in process or on Ray) validates it on arrival
 with :func:`validate` -- the one copy of the rules -- and a bad request ends alone with ``finish_reason="error"``
 and one of the :class:`RequestError` subclasses below, having allocated nothing. Every field is checked for type
 and range, cheap checks first (the prompt's length against the context before its tokens one by one): token ids
@@ -137,23 +137,22 @@ class RequestOutput:
 @dataclass(frozen=True)
 class Limits:
     """What one deployment can hold: the bounds :func:`validate` checks a request against (built once by the engine
-    or the router from the model and serve configs)."""
+    from the model and serve configs)."""
 
     vocab_size: int
     max_context: int  # prompt + max_tokens must fit (model, serve config and per-sequence page cap)
     page_size: int
     max_pages: int  # pages one request may ever hold: min(allocatable cache pages, max_pages_per_seq)
-    staging_pages: int | None = None  # multi-process: the prefill server's staging capacity in pages
 
     @classmethod
-    def of(cls, cfg: Any, serve: Any, num_pages: int | None = None, staging_pages: int | None = None) -> Limits:
+    def of(cls, cfg: Any, serve: Any, num_pages: int | None = None) -> Limits:
         """The limits of a ``ModelConfig`` + ``ServeConfig`` deployment whose decode pool has ``num_pages`` pages
         (None: unknown here, only ``max_pages_per_seq`` bounds a request)."""
         c = serve.cache
         max_pages = c.max_pages_per_seq if num_pages is None else min(num_pages - 1, c.max_pages_per_seq)
         budget = max_pages * c.page_size  # tokens one request can ever hold (page cap and pool)
         if serve.max_context is None:  # the model's context, within the budget
-            return cls(cfg.vocab_size, min(cfg.context_length, budget), c.page_size, max_pages, staging_pages)
+            return cls(cfg.vocab_size, min(cfg.context_length, budget), c.page_size, max_pages)
         if serve.max_context > cfg.context_length:
             raise ConfigError(f"ServeConfig.max_context={serve.max_context} exceeds the model's context of "
                               f"{cfg.context_length} tokens (max_position_embeddings={cfg.max_position_embeddings}, "
@@ -162,7 +161,7 @@ class Limits:
             raise ConfigError(f"ServeConfig.max_context={serve.max_context} exceeds what one request can hold: "
                               f"{max_pages} pages x {c.page_size} = {budget} tokens (CacheConfig.max_pages_per_seq="
                               f"{c.max_pages_per_seq}, pool of {num_pages} pages incl. the null page)")
-        return cls(cfg.vocab_size, serve.max_context, c.page_size, max_pages, staging_pages)
+        return cls(cfg.vocab_size, serve.max_context, c.page_size, max_pages)
 
 
 def pages_ever(prompt_len: int, max_tokens: int, page_size: int) -> int:
@@ -241,10 +240,6 @@ def validate(req: Any, limits: Limits) -> Request:
     need = pages_ever(len(prompt), max_tokens, limits.page_size)
     if need > limits.max_pages:
         raise InvalidParameterError(f"request {rid!r} needs {need} pages; one request may hold {limits.max_pages}")
-    staged = -(-len(prompt) // limits.page_size)
-    if limits.staging_pages is not None and staged > limits.staging_pages:
-        raise PromptTooLongError(f"request {rid!r}: its prompt needs {staged} staging pages; the prefill server's "
-                                 f"staging area holds {limits.staging_pages}")
     if not isinstance(req.tenant, str):
         raise InvalidParameterError(f"request {rid!r}: tenant must be a str, got {type(req.tenant).__name__}")
     try:

@@ -89,14 +89,6 @@ def test_numpy_integers_are_accepted_and_normalised():
     assert validate(good(prompt=[np.int64(1), 2]), LIMITS).prompt == [1, 2]
 
 
-def test_a_prompt_the_staging_area_can_never_hold_is_refused_at_submission():
-    """Defect 6: a prompt needing more staging pages than exist was re-prefilled forever."""
-    staged = Limits(vocab_size=50, max_context=64, page_size=4, max_pages=16, staging_pages=2)
-    validate(good(prompt=[1] * 8), staged)
-    with pytest.raises(PromptTooLongError, match="staging"):
-        validate(good(prompt=[1] * 9), staged)
-
-
 def test_pages_beyond_the_cache_are_refused():
     with pytest.raises(InvalidParameterError, match="pages"):
         validate(good(prompt=[1] * 10, max_tokens=20), Limits(50, 64, 4, max_pages=6))
