@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from phaseserve.config import ConfigError, ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.config import ConfigError, ModelConfig, ServeConfig
 from phaseserve.distributed.actor import PhaseActor
 from phaseserve.distributed.workers import RayHandoff, RemoteDecode, RemotePrefill
 from phaseserve.engine.engine import Engine
@@ -160,9 +160,6 @@ class RayEngine(Engine):
                               f"{pinfo['num_pages']} pages: a handoff could never be staged")
         limits = Limits.of(cfg, serve, dinfo["num_pages"])
         c = serve.cache
-        if dinfo["kv_dtype"] != canonical_dtype(serve.quant.kv_dtype):
-            raise ConfigError(f"the decode actor stores {dinfo['kv_dtype']} pages, the config asks for "
-                              f"{serve.quant.kv_dtype}")
         t = dict(transfer_timeout_s=options.transfer_timeout_s)
         workers = PhaseWorkers(RemotePrefill(prefill, pinfo, limits, serve.max_prefill_tokens, **t),
                                RemoteDecode(decode, dinfo, c.max_pages_per_seq, c.integrity, **t))
