@@ -3,13 +3,15 @@
 - ``protocol``: control messages, :class:`TransferDescriptor`, typed errors (:class:`StaleDescriptorError`,
   :class:`TransferTimeoutError`, :class:`PeerDeadError`), server specs, spawn environment.
 - ``transfer``: KV over ``jax.experimental.transfer`` -- the prefill side's tag-checked :class:`StagingArea`,
-  the decode side's :class:`Puller` and :class:`PendingPull`.
+  the decode side's :class:`Puller` and :class:`PendingPull`, and :class:`DescriptorAuth` (descriptors signed by
+  the control plane with the deployment's secret; :class:`ForgedDescriptorError` for any other).
 - ``prefill_server`` / ``decode_server``: the two server processes.
 - ``router``: :class:`Router` starts both, admits requests, relays the control plane, notices dead peers.
 - ``multihost``: ``jax.distributed`` bring-up for meshes that span processes or hosts.
 """
 
 from phaseserve.serving.protocol import (
+    ForgedDescriptorError,
     ModelSpec,
     PeerDeadError,
     ServerSpec,
@@ -20,5 +22,5 @@ from phaseserve.serving.protocol import (
 )
 from phaseserve.serving.router import Router
 
-__all__ = ["ModelSpec", "PeerDeadError", "Router", "ServerSpec", "ServingError", "StaleDescriptorError",
-           "TransferDescriptor", "TransferTimeoutError"]
+__all__ = ["ForgedDescriptorError", "ModelSpec", "PeerDeadError", "Router", "ServerSpec", "ServingError",
+           "StaleDescriptorError", "TransferDescriptor", "TransferTimeoutError"]

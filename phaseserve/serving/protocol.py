@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,18 @@ class StaleDescriptorError(ServingError):
 
     def __reduce__(self):
         return (StaleDescriptorError, (str(self), self.kind))
+
+
+class ForgedDescriptorError(StaleDescriptorError):
+    """A transfer descriptor the control plane did not sign, or signed with another deployment's secret, or altered
+    after signing, or past its signed expiry (``kind``: "forged" | "expired"); refused before any pull is armed or
+    issued (:class:`~phaseserve.serving.transfer.DescriptorAuth`)."""
+
+    def __init__(self, message: str, kind: str = "forged"):
+        super().__init__(message, kind)
+
+    def __reduce__(self):
+        return (ForgedDescriptorError, (str(self), self.kind))
 
 
 class TransferTimeoutError(ServingError):
@@ -93,8 +106,8 @@ def rebuild_error(t: tuple[str, str, str] | None) -> Exception | None:
     if t is None:
         return None
     name, msg, kind = t
-    if name == "StaleDescriptorError":
-        return StaleDescriptorError(msg, kind or "stale")
+    if name in ("StaleDescriptorError", "ForgedDescriptorError"):
+        return ERRORS[name](msg, kind or ("stale" if name == "StaleDescriptorError" else "forged"))
     if name == "KVIntegrityError":
         from phaseserve.cache.integrity import KVIntegrityError
 
@@ -114,6 +127,11 @@ class TransferDescriptor:
     ``T = len(pages) * page_size`` -- whole staging pages cross the wire. ``server_id`` is the prefill server's
     incarnation (a random 64-bit number drawn at start), so a descriptor from a dead server is never honoured
     by its successor even if the uuid counter repeats.
+
+    ``expires`` (Unix time) and ``mac`` are set by the control plane when it signs the descriptor
+    (:class:`~phaseserve.serving.transfer.DescriptorAuth`): an HMAC-SHA256 over :meth:`canonical_bytes` (every
+    field but ``mac``) with the deployment's secret. Only a descriptor whose MAC verifies and whose expiry has not
+    passed is armed or pulled.
     """
 
     request_id: str
@@ -126,6 +144,15 @@ class TransferDescriptor:
     page_size: int
     kv_dtype: str
     leaves: tuple[tuple[tuple[int, ...], str], ...]
+    expires: float = 0.0  # Unix time after which the descriptor is stale (signed)
+    mac: str = ""  # hex HMAC-SHA256 of canonical_bytes() ("" until signed)
+
+    def canonical_bytes(self) -> bytes:
+        """The signed bytes: every field but ``mac``, as compact JSON with a version prefix. Raises ``TypeError`` /
+        ``ValueError`` for field values JSON cannot hold (a forged descriptor; the verifier refuses it)."""
+        fields = [[f.name, getattr(self, f.name)] for f in dataclasses.fields(self) if f.name != "mac"]
+        return b"phaseserve-transfer-descriptor-v1\n" + json.dumps(fields, separators=(",", ":"),
+                                                                    allow_nan=False).encode()
 
     @property
     def nbytes(self) -> int:
@@ -189,8 +216,13 @@ def child_env(host_devices: int, cache_dir: str | None = None):
     persistent compilation cache in ``cache_dir``, so restarted or sibling servers skip recompiling).
 
     Spawned children read ``os.environ`` at start (before they import jax), so it is set around ``start()``.
-    On a real accelerator host set ``JAX_PLATFORMS`` yourself; only an unset value is filled in here.
+    On a real accelerator host set ``JAX_PLATFORMS`` yourself; only an unset value is filled in here. The
+    transfer plane's secret (``PHASESERVE_TRANSFER_SECRET``) is generated here if unset and stays exported, so
+    every server this process starts -- restarted ones included -- signs and verifies with the same key.
     """
+    from phaseserve.serving.transfer import deployment_secret
+
+    deployment_secret()
     keys = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["JAX_PLATFORMS"] = os.environ.get("PHASESERVE_CHILD_PLATFORMS", "cpu")

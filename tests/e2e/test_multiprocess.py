@@ -143,11 +143,11 @@ def test_replayed_and_forged_descriptors_are_refused_alone(model, router):
     assert isinstance(misnamed.error, StaleDescriptorError) and misnamed.error.kind == "mismatch"
     assert misnamed.finish_reason == "error"
     assert isinstance(replayed.error, StaleDescriptorError) and replayed.error.kind == "unknown"
-    assert isinstance(forged.error, StaleDescriptorError) and forged.error.kind == "stale_tag"
+    assert isinstance(forged.error, StaleDescriptorError) and forged.error.kind == "forged"  # its MAC fails
     assert replayed.finish_reason == forged.finish_reason == "aborted"
     assert {o.id: o.tokens for o in normal} == {r.id: ref[r.id] for r in NORMAL}
     pre, dec = _drain(router)  # the forged request's genuine staged KV is freed when the request ends
-    assert pre["refused"].get("unknown", 0) >= 1 and pre["refused"].get("stale_tag", 0) >= 1
+    assert pre["refused"].get("unknown", 0) >= 1 and pre["refused"].get("forged", 0) >= 1
     assert pre["staging_pages_in_use"] == 0 and pre["staged"] == 0 and dec["pages_in_use"] == 0
 
 
@@ -221,6 +221,9 @@ def test_staging_area_checks_each_descriptor_field():
                       ("stale_tag", d1.replace(tags=d2.tags))]:
         with pytest.raises(StaleDescriptorError) as e:
             staging.serve(bad)
+        assert e.value.kind == "forged"  # altered after signing
+        with pytest.raises(StaleDescriptorError) as e:
+            staging.serve(staging.auth.sign(bad))  # re-signed by a key holder: each field still checked
         kinds[name] = e.value.kind
     assert kinds == {k: k for k in kinds}
     with pytest.raises(StaleDescriptorError) as e:  # a genuine descriptor asked for by another request

@@ -1,6 +1,7 @@
-"""Server-side inputs, in process (no child processes): transfer descriptors verified field by field on the prefill
-side (defect 4), and a decode server that survives any control message -- malformed, wrongly typed, forged
-descriptors, unknown requests -- ending only the request a message names, leaking no page (Hypothesis properties).
+"""Server-side inputs, in process (no child processes): transfer descriptors authenticated (signed by the control
+plane, issue #42) and verified field by field on the prefill side (defect 4), and a decode server that survives any
+control message -- malformed, wrongly typed, forged descriptors, unknown requests -- ending only the request a
+message names, leaking no page (Hypothesis properties).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from phaseserve.engine import Request
-from phaseserve.serving import ModelSpec, ServerSpec, StaleDescriptorError, TransferDescriptor
+from phaseserve.serving import ForgedDescriptorError, ModelSpec, ServerSpec, StaleDescriptorError, TransferDescriptor
 from phaseserve.serving.protocol import rebuild_error
-from phaseserve.serving.transfer import StagingArea, start_endpoint
+from phaseserve.serving.transfer import DescriptorAuth, Puller, StagingArea, start_endpoint
 from tests.e2e.engine_utils import F32, make_checkpoint, serve_config
 
 
@@ -49,10 +50,35 @@ def test_each_descriptor_field_is_verified(staged, field):
     """Defect 4: verify() ignored length, address, kv_dtype and page_size (a forged length gave wrong tokens)."""
     staging, d, _ = staged
     forged = {"length": d.length + 1, "address": "10.0.0.1:1", "kv_dtype": "bfloat16", "page_size": 8}[field]
-    with pytest.raises(StaleDescriptorError, match=field) as e:
+    with pytest.raises(ForgedDescriptorError):  # altered after signing: the MAC no longer verifies
         staging.verify(d.replace(**{field: forged}))
+    with pytest.raises(StaleDescriptorError, match=field) as e:  # re-signed by a key holder: still checked by field
+        staging.verify(staging.auth.sign(d.replace(**{field: forged})))
     assert e.value.kind == "mismatch"
     assert staging.verify(d).descriptor == d
+
+
+def test_a_forged_descriptor_arms_nothing_and_loses_nothing(staged):
+    """Item 5 of issue #42: a descriptor naming a staged uuid but not signed with this deployment's secret (or
+    altered, or expired) is refused typed before anything is armed; the genuine entry is still served after."""
+    staging, _, _ = staged
+    vals = jnp.ones((4, 3), jnp.float8_e4m3fn)
+    d = staging.stage("forge-me", [vals, jnp.ones((4,), jnp.float32)], 3, "float8_e4m3fn")
+    entry, used = staging.entries[d.uuid], staging.pages_in_use
+    foreign = DescriptorAuth("another-deployment's-secret")
+    for bad, kind in ((d.replace(mac=""), "forged"), (foreign.sign(d), "forged"), (d.replace(length=4), "forged"),
+                      (staging.auth.sign(d, ttl_s=-1.0), "expired")):
+        with pytest.raises(ForgedDescriptorError) as e:
+            staging.serve(bad)
+        assert e.value.kind == kind
+        assert not entry.served and staging.entries[d.uuid] is entry and staging.pages_in_use == used
+    with pytest.raises(ForgedDescriptorError):  # the decode side refuses it too, before connecting anywhere
+        Puller(start_endpoint(), jax.devices()[0]).pull(d.replace(address="10.255.255.1:1", mac=""))
+    staging.serve(d)
+    got = Puller(start_endpoint(), jax.devices()[0]).pull(d)
+    assert np.array_equal(np.asarray(got[0], np.float32), np.asarray(vals, np.float32))
+    assert staging.refused["forged"] >= 3 and staging.refused["expired"] >= 1
+    assert staging.release(d.uuid) and staging.pages_in_use == used - 1
 
 
 @settings(max_examples=examples(200), deadline=None)
@@ -61,8 +87,8 @@ def test_property_no_altered_descriptor_is_honoured(staged, field, value, other)
     staging, a, b = staged
     genuine = b if other else a
     forged = genuine.replace(**{field: value})
-    try:
-        same = forged == genuine
+    try:  # the same signed bytes (7 == 7.0, but they are different descriptors)
+        same = forged.canonical_bytes() == genuine.canonical_bytes() and forged.mac == genuine.mac
     except Exception:
         same = False
     if same:
