@@ -26,9 +26,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from phaseserve.config import ConfigError
 from phaseserve.engine.request import NonFiniteLogitsError, RequestError
 
 
@@ -115,6 +117,26 @@ def rebuild_error(t: tuple[str, str, str] | None) -> Exception | None:
         e.args = (msg,)
         return e
     return ERRORS.get(name, ServingError)(msg)
+
+
+# ---- the transfer plane's secret ------------------------------------------------------------------------
+SECRET_ENV = "PHASESERVE_TRANSFER_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+def deployment_secret(configured: str | bytes | None = None) -> bytes:
+    """The transfer plane's HMAC key: ``configured`` if given, else ``$PHASESERVE_TRANSFER_SECRET``, else a random
+    256-bit secret generated once for this run and exported to ``$PHASESERVE_TRANSFER_SECRET`` (processes spawned
+    from here share it; processes on other hosts must be given the same value). A given secret shorter than
+    16 bytes is a :class:`~phaseserve.config.ConfigError`."""
+    value = configured if configured is not None else os.environ.get(SECRET_ENV)
+    if value is None:
+        value = os.environ[SECRET_ENV] = secrets.token_hex(32)
+    key = value.encode() if isinstance(value, str) else bytes(value)
+    if len(key) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the transfer secret ({SECRET_ENV} or the configured one) has {len(key)} bytes; "
+                          f"use at least {MIN_SECRET_BYTES} (e.g. secrets.token_hex(32))")
+    return key
 
 
 # ---- descriptors ----------------------------------------------------------------------------------------
@@ -220,8 +242,6 @@ def child_env(host_devices: int, cache_dir: str | None = None):
     transfer plane's secret (``PHASESERVE_TRANSFER_SECRET``) is generated here if unset and stays exported, so
     every server this process starts -- restarted ones included -- signs and verifies with the same key.
     """
-    from phaseserve.serving.transfer import deployment_secret
-
     deployment_secret()
     keys = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     saved = {k: os.environ.get(k) for k in keys}

@@ -27,9 +27,9 @@ expiry), :meth:`StagingArea.verify` checks the MAC and the expiry before anythin
 checks them again before it connects to the address the descriptor names. A forged, altered, foreign (another
 deployment's secret) or expired descriptor is refused with a typed
 :class:`~phaseserve.serving.protocol.ForgedDescriptorError` and changes nothing: no entry is marked served, no
-page is freed. The secret (:func:`deployment_secret`): ``PHASESERVE_TRANSFER_SECRET`` when set (every host of a
-deployment sets the same value), else one generated per run and exported to the environment, so the server
-processes this process spawns inherit it.
+page is freed. The secret (:func:`~phaseserve.serving.protocol.deployment_secret`): ``PHASESERVE_TRANSFER_SECRET``
+when set (every host of a deployment sets the same value), else one generated per run and exported to the
+environment, so the server processes this process spawns inherit it.
 
 Decode side, :class:`PendingPull`. ``pull`` returns immediately with arrays that become ready when the bytes
 have landed, in buffers the transfer allocates (never inside the page pool). The pages a request was given stay
@@ -42,9 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import os
 import random
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,26 +53,12 @@ import numpy as np
 from jax.experimental import transfer
 
 from phaseserve.cache.allocator import PageAllocator
-from phaseserve.config import ConfigError
-from phaseserve.serving.protocol import ForgedDescriptorError, StaleDescriptorError, TransferDescriptor
-
-SECRET_ENV = "PHASESERVE_TRANSFER_SECRET"
-MIN_SECRET_BYTES = 16
-
-
-def deployment_secret(configured: str | bytes | None = None) -> bytes:
-    """The transfer plane's HMAC key: ``configured`` if given, else ``$PHASESERVE_TRANSFER_SECRET``, else a random
-    256-bit secret generated once for this run and exported to ``$PHASESERVE_TRANSFER_SECRET`` (processes spawned
-    from here share it; processes on other hosts must be given the same value). A given secret shorter than
-    16 bytes is a :class:`~phaseserve.config.ConfigError`."""
-    value = configured if configured is not None else os.environ.get(SECRET_ENV)
-    if value is None:
-        value = os.environ[SECRET_ENV] = secrets.token_hex(32)
-    key = value.encode() if isinstance(value, str) else bytes(value)
-    if len(key) < MIN_SECRET_BYTES:
-        raise ConfigError(f"the transfer secret ({SECRET_ENV} or the configured one) has {len(key)} bytes; "
-                          f"use at least {MIN_SECRET_BYTES} (e.g. secrets.token_hex(32))")
-    return key
+from phaseserve.serving.protocol import (
+    ForgedDescriptorError,
+    StaleDescriptorError,
+    TransferDescriptor,
+    deployment_secret,
+)
 
 
 class DescriptorAuth:

@@ -11,13 +11,15 @@ import pytest
 
 from phaseserve.config import ConfigError
 from phaseserve.serving.protocol import (
+    SECRET_ENV,
     ForgedDescriptorError,
     StaleDescriptorError,
     TransferDescriptor,
+    deployment_secret,
     error_tuple,
     rebuild_error,
 )
-from phaseserve.serving.transfer import SECRET_ENV, DescriptorAuth, deployment_secret
+from phaseserve.serving.transfer import DescriptorAuth
 
 SECRET = "a-deployment-secret-of-some-length"
 NOW = 1_800_000_000.0
