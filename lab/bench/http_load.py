@@ -406,9 +406,7 @@ def split_wall(rec: dict, outputs: list) -> dict:
 def _engine_counters(engine: Engine) -> dict:
     """What the engine did during the last run (its metrics are reset at the start of each)."""
     m = engine.metrics
-    running = m.running_samples
-    return {"prefill_batches": m.prefill_batches, "decode_steps": m.decode_steps,
-            "mean_running": sum(running) / len(running) if running else 0.0,
+    return {"prefill_batches": m.prefill_batches, "decode_steps": m.decode_steps, "mean_running": m.mean_running,
             "prefill_time_s": m.prefill_time, "decode_time_s": m.decode_time}
 
 

@@ -37,7 +37,7 @@ from phaseserve.distributed.workers import RayHandoff, RemoteDecode, RemotePrefi
 from phaseserve.engine.engine import Engine
 from phaseserve.engine.request import Limits
 from phaseserve.engine.workers import PhaseWorkers
-from phaseserve.serving.protocol import ModelSpec
+from phaseserve.serving.protocol import SECRET_ENV, ModelSpec, deployment_secret
 
 
 @dataclass
@@ -100,8 +100,11 @@ def model_config(spec: ModelSpec) -> ModelConfig:
 
 
 def actor_env(options: RayOptions, num_devices: int) -> dict[str, str]:
-    """The environment of a phase actor's process: its JAX platform and (on CPU) simulated device count."""
-    env = {}
+    """The environment of a phase actor's process: its JAX platform and (on CPU) simulated device count, and the
+    transfer plane's secret (this deployment's, generated here once per run when unset), so both actors sign and
+    verify KV-transfer descriptors with one key."""
+    deployment_secret()  # exports PHASESERVE_TRANSFER_SECRET when it was unset
+    env = {SECRET_ENV: os.environ[SECRET_ENV]}
     if options.jax_platforms:
         env["JAX_PLATFORMS"] = options.jax_platforms
         if options.jax_platforms == "cpu":

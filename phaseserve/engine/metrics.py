@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,7 +48,8 @@ class RunMetrics:
     decode_time: float = 0.0
     prefill_time: float = 0.0
     host_time: float = 0.0  # host time inside the decode call only (the summary counts schedule() via the wall)
-    running_samples: list[int] = field(default_factory=list)
+    running_sum: int = 0  # running requests summed over the observed steps (a mean, not a list: a server that is
+    running_steps: int = 0  # never idle observes a step forever)
 
     def begin(self) -> None:
         """Open a timed window (a ``generate`` / ``stream`` call starts)."""
@@ -62,7 +63,13 @@ class RunMetrics:
     def observe(self, running: int, pages_in_use: int) -> None:
         self.peak_running = max(self.peak_running, running)
         self.peak_pages_in_use = max(self.peak_pages_in_use, pages_in_use)
-        self.running_samples.append(running)
+        self.running_sum += running
+        self.running_steps += 1
+
+    @property
+    def mean_running(self) -> float:
+        """Mean running requests per observed step (0 before any)."""
+        return self.running_sum / self.running_steps if self.running_steps else 0.0
 
     def summary(self, outputs: list[RequestOutput], prefix_lookup_pages: int = 0, prefix_hit_pages: int = 0) -> dict:
         """Aggregate counters and per-request metrics; prefix counts come from the scheduler that owns them.
@@ -89,7 +96,7 @@ class RunMetrics:
             "tpot": percentiles([o.metrics.tpot for o in done]),
             "e2e": percentiles([o.metrics.e2e for o in done]),
             "peak_concurrency": self.peak_running,
-            "mean_concurrency": float(np.mean(self.running_samples)) if self.running_samples else 0.0,
+            "mean_concurrency": self.mean_running,
             "peak_pages_in_use": self.peak_pages_in_use,
             "preemptions": self.preemptions,
             "integrity_checks": self.integrity_checks,

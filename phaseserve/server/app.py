@@ -16,6 +16,7 @@ Errors, in OpenAI's body (``{"error": {"message", "type", "param", "code"}}``):
   the engine refuses on arrival (a :class:`~phaseserve.RequestError`: token outside the vocabulary, prompt +
   max_tokens beyond the context, ...); a streamed request is refused before its stream starts;
 - 404 ``model_not_found``: ``model`` names another model;
+- 503 ``server_overloaded``: ``max_in_flight`` requests are already open (nothing was queued);
 - 500 ``server_error``: this request failed in the engine (an integrity abort, a device failure narrowed to it);
   other requests are unaffected. Mid-stream, the error is sent as an SSE ``data: {"error": ...}`` event.
 
@@ -52,6 +53,7 @@ from phaseserve.server.security import DEFAULT_MAX_BODY_BYTES, Auth, Gate, cache
 from phaseserve.server.sse import DONE, EventStream, Template, event
 
 DISCONNECT_POLL_S = 0.25  # non-streamed requests: how often the client's connection is checked
+DEFAULT_MAX_IN_FLIGHT = 1024  # requests open at once (streams and waits) before 503: bounds the engines' queues
 HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -74,19 +76,28 @@ def _failure(out: RequestOutput) -> ApiError | None:
 class Balancer:
     """Which engine loop takes a new request: the one with the fewest tokens in flight (prompt + ``max_tokens`` of
     its requests not yet closed), ties to the lowest index -- data-parallel routing by load, as a load balancer in
-    front of vLLM or SGLang replicas does. Used from the event-loop thread only."""
+    front of vLLM or SGLang replicas does. At most ``max_in_flight`` requests are open at once over all loops (the
+    engines' waiting queues are bounded under any load): one more is a 503 ``server_overloaded``. Used from the
+    event-loop thread only."""
 
-    def __init__(self, loops: list[EngineLoop]):
+    def __init__(self, loops: list[EngineLoop], max_in_flight: int | None = None):
         self.loops = loops
         self.load = [0] * len(loops)
+        self.in_flight = 0
+        self.max_in_flight = max_in_flight
 
     def acquire(self, req: Request) -> int:
+        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
+            raise ApiError(503, f"the server has {self.in_flight} requests in flight, its limit; retry later",
+                           "server_error", code="server_overloaded")
         i = min(range(len(self.loops)), key=lambda j: (self.load[j], j))
         self.load[i] += request_load(req)
+        self.in_flight += 1
         return i
 
     def release(self, i: int, req: Request) -> None:
         self.load[i] -= request_load(req)
+        self.in_flight -= 1
 
 
 class Generation:
@@ -169,10 +180,14 @@ class Generation:
 
 def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1, *,
                api_keys: dict[str, str] | None = None, metrics_key: str | None = None,
-               max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+               max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT) -> FastAPI:
     """The app over ``backend`` (one, or a list of replicas: one engine loop each); ``app.state.loops`` holds the
     loops while it runs. ``api_keys`` (key -> tenant) turns authentication on; ``metrics_key`` guards ``/metrics``;
-    ``max_body_bytes`` caps a request body (None: no cap); see :mod:`phaseserve.server.security`."""
+    ``max_body_bytes`` caps a request body (None: no cap); see :mod:`phaseserve.server.security`.
+    ``max_in_flight`` caps the requests open at once (more get 503 ``server_overloaded``; None: no cap)."""
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1 or None, got {max_in_flight}")
     backends = list(backend) if isinstance(backend, list | tuple) else [backend]
     if not backends:
         raise ValueError("create_app needs at least one backend")
@@ -185,7 +200,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         loops = [EngineLoop(b, on_finish=metrics.on_finish, on_step=functools.partial(metrics.on_step, source=i),
                             stream_interval=stream_interval) for i, b in enumerate(backends)]
         app.state.loops = loops
-        state["balancer"] = Balancer(loops)
+        state["balancer"] = Balancer(loops, max_in_flight)
         yield
         for loop in loops:
             loop.close()

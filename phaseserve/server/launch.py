@@ -95,10 +95,11 @@ def serve(cfg: DictConfig) -> None:
           flush=True)
     keys = {str(k): str(v) for k, v in (s.get("api_keys") or {}).items()}
     metrics_key = s.get("metrics_key")
-    limit = s.get("max_body_bytes")
+    limit, cap = s.get("max_body_bytes"), s.get("max_in_flight")
     app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval), api_keys=keys,
                      metrics_key=None if metrics_key is None else str(metrics_key),
-                     max_body_bytes=None if limit is None else int(limit))
+                     max_body_bytes=None if limit is None else int(limit),
+                     max_in_flight=None if cap is None else int(cap))
     uvicorn.run(app, host=str(s.host), port=int(s.port), log_level=str(s.log_level))
 
 

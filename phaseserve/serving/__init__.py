@@ -9,6 +9,7 @@
 """
 
 from phaseserve.serving.protocol import (
+    ForgedDescriptorError,
     ModelSpec,
     PeerDeadError,
     ServingError,
@@ -18,5 +19,5 @@ from phaseserve.serving.protocol import (
     TransferTimeoutError,
 )
 
-__all__ = ["ModelSpec", "PeerDeadError", "ServingError", "StaleDescriptorError", "TransferDescriptor",
-           "TransferError", "TransferTimeoutError"]
+__all__ = ["ForgedDescriptorError", "ModelSpec", "PeerDeadError", "ServingError", "StaleDescriptorError",
+           "TransferDescriptor", "TransferError", "TransferTimeoutError"]

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
+
+from phaseserve.config import ConfigError
 
 
 # ---- typed errors ---------------------------------------------------------------------------------------
@@ -31,6 +35,18 @@ class StaleDescriptorError(ServingError):
         return (StaleDescriptorError, (str(self), self.kind))
 
 
+class ForgedDescriptorError(StaleDescriptorError):
+    """A transfer descriptor the control plane did not sign, or signed with another deployment's secret, or altered
+    after signing, or past its signed expiry (``kind``: "forged" | "expired"); refused before any pull is armed or
+    issued (:class:`~phaseserve.serving.transfer.DescriptorAuth`)."""
+
+    def __init__(self, message: str, kind: str = "forged"):
+        super().__init__(message, kind)
+
+    def __reduce__(self):
+        return (ForgedDescriptorError, (str(self), self.kind))
+
+
 class TransferTimeoutError(ServingError):
     """A KV transfer (or the grant for it) did not complete before its deadline."""
 
@@ -44,6 +60,26 @@ class TransferError(ServingError):
     them in the request's pages raised."""
 
 
+# ---- the transfer plane's secret ------------------------------------------------------------------------
+SECRET_ENV = "PHASESERVE_TRANSFER_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+def deployment_secret(configured: str | bytes | None = None) -> bytes:
+    """The transfer plane's HMAC key: ``configured`` if given, else ``$PHASESERVE_TRANSFER_SECRET``, else a random
+    256-bit secret generated once for this run and exported to ``$PHASESERVE_TRANSFER_SECRET`` (processes spawned
+    from here share it; processes on other hosts must be given the same value). A given secret shorter than
+    16 bytes is a :class:`~phaseserve.config.ConfigError`."""
+    value = configured if configured is not None else os.environ.get(SECRET_ENV)
+    if value is None:
+        value = os.environ[SECRET_ENV] = secrets.token_hex(32)
+    key = value.encode() if isinstance(value, str) else bytes(value)
+    if len(key) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the transfer secret ({SECRET_ENV} or the configured one) has {len(key)} bytes; "
+                          f"use at least {MIN_SECRET_BYTES} (e.g. secrets.token_hex(32))")
+    return key
+
+
 # ---- descriptors ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TransferDescriptor:
@@ -54,6 +90,11 @@ class TransferDescriptor:
     ``T = len(pages) * page_size`` -- whole staging pages cross the wire. ``server_id`` is the prefill server's
     incarnation (a random 64-bit number drawn at start), so a descriptor from a dead server is never honoured
     by its successor even if the uuid counter repeats.
+
+    ``expires`` (Unix time) and ``mac`` are set by the control plane when it signs the descriptor
+    (:class:`~phaseserve.serving.transfer.DescriptorAuth`): an HMAC-SHA256 over :meth:`canonical_bytes` (every
+    field but ``mac``) with the deployment's secret. Only a descriptor whose MAC verifies and whose expiry has not
+    passed is armed or pulled.
     """
 
     request_id: str
@@ -66,6 +107,15 @@ class TransferDescriptor:
     page_size: int
     kv_dtype: str
     leaves: tuple[tuple[tuple[int, ...], str], ...]
+    expires: float = 0.0  # Unix time after which the descriptor is stale (signed)
+    mac: str = ""  # hex HMAC-SHA256 of canonical_bytes() ("" until signed)
+
+    def canonical_bytes(self) -> bytes:
+        """The signed bytes: every field but ``mac``, as compact JSON with a version prefix. Raises ``TypeError`` /
+        ``ValueError`` for field values JSON cannot hold (a forged descriptor; the verifier refuses it)."""
+        fields = [[f.name, getattr(self, f.name)] for f in dataclasses.fields(self) if f.name != "mac"]
+        return b"phaseserve-transfer-descriptor-v1\n" + json.dumps(fields, separators=(",", ":"),
+                                                                    allow_nan=False).encode()
 
     @property
     def nbytes(self) -> int:
@@ -114,8 +164,11 @@ def child_env(host_devices: int, cache_dir: str | None = None):
     persistent compilation cache in ``cache_dir``, so restarted or sibling servers skip recompiling).
 
     Spawned children read ``os.environ`` at start (before they import jax), so it is set around ``start()``.
-    On a real accelerator host set ``JAX_PLATFORMS`` yourself; only an unset value is filled in here.
+    On a real accelerator host set ``JAX_PLATFORMS`` yourself; only an unset value is filled in here. The
+    transfer plane's secret (``PHASESERVE_TRANSFER_SECRET``) is generated here if unset and stays exported, so
+    every server this process starts -- restarted ones included -- signs and verifies with the same key.
     """
+    deployment_secret()
     keys = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["JAX_PLATFORMS"] = os.environ.get("PHASESERVE_CHILD_PLATFORMS", "cpu")

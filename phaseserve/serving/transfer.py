@@ -19,6 +19,18 @@ pull issued after ``await_pull``'s own timeout hangs too. A replayed descriptor 
 ``pull``: it is refused on the control plane with a typed :class:`StaleDescriptorError`, and the decode side
 enforces its own deadline by polling the pulled arrays' ``is_ready()`` (never touching an unready array).
 
+Authentication, :class:`DescriptorAuth`. The transfer ports themselves have no authentication (anyone who can
+reach one can ask it for bytes, or send it garbage), so a descriptor is honoured only if the control plane signed
+it: :meth:`StagingArea.stage` signs each descriptor it issues (HMAC-SHA256 over
+:meth:`~phaseserve.serving.protocol.TransferDescriptor.canonical_bytes` with the deployment's secret, and a signed
+expiry), :meth:`StagingArea.verify` checks the MAC and the expiry before anything else, and :meth:`Puller.pull`
+checks them again before it connects to the address the descriptor names. A forged, altered, foreign (another
+deployment's secret) or expired descriptor is refused with a typed
+:class:`~phaseserve.serving.protocol.ForgedDescriptorError` and changes nothing: no entry is marked served, no
+page is freed. The secret (:func:`~phaseserve.serving.protocol.deployment_secret`): ``PHASESERVE_TRANSFER_SECRET``
+when set (every host of a deployment sets the same value), else one generated per run and exported to the
+environment, so the server processes this process spawns inherit it.
+
 Decode side, :class:`PendingPull`. ``pull`` returns immediately with arrays that become ready when the bytes
 have landed, in buffers the transfer allocates (never inside the page pool). The pages a request was given stay
 held until the pull is *done*: landed and scattered, or abandoned at its deadline (after which its buffers are
@@ -28,6 +40,8 @@ never scattered). A cancel during the transfer only marks the request; its pages
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,7 +53,52 @@ import numpy as np
 from jax.experimental import transfer
 
 from phaseserve.cache.allocator import PageAllocator
-from phaseserve.serving.protocol import StaleDescriptorError, TransferDescriptor
+from phaseserve.serving.protocol import (
+    ForgedDescriptorError,
+    StaleDescriptorError,
+    TransferDescriptor,
+    deployment_secret,
+)
+
+
+class DescriptorAuth:
+    """Signs and verifies transfer descriptors with one deployment's secret (HMAC-SHA256, constant-time compare).
+
+    ``sign(desc)`` returns a copy with ``expires`` (now + ``ttl_s``, Unix time) and ``mac`` set; ``verify(desc)``
+    returns ``desc`` if its MAC is this secret's over its canonical bytes and it has not expired, else raises
+    :class:`~phaseserve.serving.protocol.ForgedDescriptorError` (``kind`` "forged" or "expired"). Hosts of one
+    deployment need clocks in sync to well within ``ttl_s`` (NTP)."""
+
+    def __init__(self, secret: bytes | str | None = None, ttl_s: float = 120.0):
+        self._key = deployment_secret(secret)
+        self.ttl_s = ttl_s
+
+    def _mac(self, desc: TransferDescriptor) -> str:
+        return hmac.new(self._key, desc.canonical_bytes(), hashlib.sha256).hexdigest()
+
+    def sign(self, desc: TransferDescriptor, ttl_s: float | None = None,
+             now: float | None = None) -> TransferDescriptor:
+        now = time.time() if now is None else now
+        desc = desc.replace(expires=float(now + (self.ttl_s if ttl_s is None else ttl_s)), mac="")
+        return desc.replace(mac=self._mac(desc))
+
+    def verify(self, desc: Any, now: float | None = None) -> TransferDescriptor:
+        rid, uuid = getattr(desc, "request_id", None), getattr(desc, "uuid", None)
+        what = f"transfer descriptor of {rid!r:.60} (uuid {uuid!r:.30})"
+        if not isinstance(desc, TransferDescriptor):
+            raise ForgedDescriptorError(f"not a TransferDescriptor: {type(desc).__name__}")
+        try:
+            expected = self._mac(desc)
+        except (TypeError, ValueError, RecursionError) as e:  # a field JSON cannot hold: nobody signed this
+            raise ForgedDescriptorError(f"{what} refused: unsignable field ({e!s:.80})") from None
+        given = desc.mac.encode("utf-8", "surrogatepass") if isinstance(desc.mac, str) else b""
+        if not hmac.compare_digest(expected.encode(), given):
+            raise ForgedDescriptorError(f"{what} refused: its MAC does not verify (not signed by this deployment's "
+                                        f"control plane, or altered since)")
+        now = time.time() if now is None else now
+        if not desc.expires > now:
+            raise ForgedDescriptorError(f"{what} refused: expired {now - desc.expires:.1f} s ago", "expired")
+        return desc
 
 
 def start_endpoint(bind: str = "127.0.0.1", device: jax.Device | None = None) -> Any:
@@ -74,7 +133,11 @@ class StagedKV:
 class StagingArea:
     """Prompt KV waiting to be pulled, keyed by uuid; page-accounted and tag-checked (see module docstring)."""
 
-    def __init__(self, server: Any, num_pages: int, page_size: int, ttl_s: float):
+    def __init__(self, server: Any, num_pages: int, page_size: int, ttl_s: float,
+                 auth: DescriptorAuth | None = None):
+        """``auth``: signs the descriptors :meth:`stage` issues and checks those :meth:`verify` gets (default: the
+        :func:`deployment_secret`'s, descriptors valid for ``ttl_s``)."""
+        self.auth = auth or DescriptorAuth(ttl_s=ttl_s)
         self.server = server
         self.address = server.address()
         self.server_id = random.getrandbits(63)
@@ -104,6 +167,7 @@ class StagingArea:
             pages=tuple(pages), tags=tuple(int(self.allocator.tags[p]) for p in pages), length=length,
             page_size=self.page_size, kv_dtype=kv_dtype,
             leaves=tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves))
+        desc = self.auth.sign(desc, ttl_s=self.ttl_s)
         self.entries[desc.uuid] = StagedKV(desc, leaves, time.monotonic() + self.ttl_s)
         self.bytes_staged += desc.nbytes
         return desc
@@ -119,14 +183,19 @@ class StagingArea:
 
         if not isinstance(desc, TransferDescriptor):
             raise refuse("mismatch", f"not a TransferDescriptor: {type(desc).__name__}")
+        try:
+            self.auth.verify(desc)  # first: nothing else is looked at for a descriptor nobody signed
+        except ForgedDescriptorError as e:
+            self.refused[e.kind] = self.refused.get(e.kind, 0) + 1
+            raise
         if not _same(desc.server_id, self.server_id):
             raise refuse("wrong_server", "descriptor from another prefill server incarnation")
         entry = self.entries.get(desc.uuid) if type(desc.uuid) is int else None
         if entry is None:
             raise refuse("unknown", "nothing staged under this uuid (already consumed, expired or never staged)")
         mine = entry.descriptor
-        wrong = [f.name for f in dataclasses.fields(mine) if f.name != "tags"
-                 and not _same(getattr(mine, f.name), getattr(desc, f.name))]
+        wrong = [f.name for f in dataclasses.fields(mine) if f.name not in ("tags", "expires", "mac")  # signature:
+                 and not _same(getattr(mine, f.name), getattr(desc, f.name))]  # checked by auth.verify above
         if requester is not None and requester != mine.request_id:
             wrong.append("requester")
         if wrong:
@@ -190,15 +259,18 @@ class PendingPull:
 
 
 class Puller:
-    """Connections to prefill servers (one per address, reused) and the pull call."""
+    """Connections to prefill servers (one per address, reused) and the pull call; a descriptor whose MAC or expiry
+    does not verify is refused (:class:`~phaseserve.serving.protocol.ForgedDescriptorError`) before connecting."""
 
-    def __init__(self, server: Any, device: jax.Device):
+    def __init__(self, server: Any, device: jax.Device, auth: DescriptorAuth | None = None):
+        self.auth = auth or DescriptorAuth()
         self.server = server
         self.sharding = jax.sharding.SingleDeviceSharding(device)
         self._conns: dict[str, Any] = {}
         self.bytes_pulled = 0
 
     def pull(self, desc: TransferDescriptor) -> list:
+        self.auth.verify(desc)
         conn = self._conns.get(desc.address)
         if conn is None:
             conn = self._conns[desc.address] = self.server.connect(desc.address)

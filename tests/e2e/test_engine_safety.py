@@ -4,13 +4,14 @@
   DuplicateRequestError) and the engine finishes every request and frees every page;
 - a duplicate id at the engine loop does not orphan the first request's handle;
 - ``generate()`` interrupted by an exception (KeyboardInterrupt included) aborts its requests and frees their pages;
-- ``Engine.outputs`` stays bounded while the engine is never idle;
+- ``Engine.outputs`` and the run metrics (``Engine.metrics``) stay bounded while the engine is never idle;
 - ``validate`` compares the prompt's length with the context before it looks at the tokens one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import sys
 import threading
 import time
@@ -130,6 +131,22 @@ def test_outputs_stay_bounded_while_the_engine_is_never_idle(eng, monkeypatch):
         eng.step()
         eng.step()
         assert len(eng.outputs) <= 4 + len(eng.scheduler.running) + len(eng.scheduler.waiting) + 1
+    _run(eng)
+    assert _drained(eng)
+
+
+def test_run_metrics_stay_bounded_while_the_engine_is_never_idle(eng):
+    """Item 9: ``RunMetrics`` kept one sample per engine step (``running_samples``), reset only when a served engine
+    went idle: a server that is never idle grew it forever."""
+    eng.reset_metrics()
+    sizes = []
+    for i in range(160):  # always requests in flight: the engine is never idle
+        if len(eng.scheduler.running) + len(eng.scheduler.waiting) < 2:
+            eng.add_request(Request(id=f"steady{i}", prompt=[1, 2, 3, 4, 5], max_tokens=6, ignore_eos=True))
+        eng.step()
+        sizes.append(len(pickle.dumps(eng.metrics)))
+    assert eng.metrics.decode_steps > 100 and eng.summary()["mean_concurrency"] > 1.0
+    assert sizes[-1] - sizes[20] < 16, f"the run metrics grew from {sizes[20]} to {sizes[-1]} bytes in 140 steps"
     _run(eng)
     assert _drained(eng)
 

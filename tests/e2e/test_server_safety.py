@@ -11,12 +11,14 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 import openai
 import pytest
 
 import phaseserve as ps
+from lab.bench.http_cost import StubBackend
 from lab.eval.demo import default_model_path
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine.request import Limits
@@ -252,3 +254,41 @@ def test_health_reflects_the_backend(case):
     finally:
         srv.should_exit = True
         thread.join(30)
+
+
+# ---- 9. bounded under sustained load: requests in flight ----------------------------------------------------------
+def test_requests_in_flight_are_bounded_and_one_more_is_503():
+    """Item 9: nothing bounded the requests an HTTP server accepted; under sustained overload the engine's waiting
+    queue (each entry a prompt of up to max_body_bytes) grew without limit. Now ``max_in_flight`` requests are open
+    at once and one more gets 503 ``server_overloaded`` in OpenAI's shape, queueing nothing; slots come back."""
+    backend = StubBackend(step_s=0.005)
+    app = create_app(backend, TOK, MODEL, max_in_flight=2)
+    srv, thread, base = start_in_thread(app)
+    port = int(base.rsplit(":", 1)[1])
+    streams = []
+    try:
+        for _ in range(2):  # two endless streams hold both slots
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi", "stream": True,
+                                                                "max_tokens": 4000}),
+                         {"content-type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 200 and r.readline().startswith(b"data: ")
+            streams.append(conn)
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        status, text = _http(port, "POST", "/v1/completions", body, key=None)
+        assert status == 503 and _openai_error(text)["code"] == "server_overloaded", (status, text)
+        assert len(backend.running) == 2  # the refused request never reached the engine
+        streams.pop().close()  # a client goes away: its request is cancelled and its slot freed
+        deadline = time.monotonic() + 30
+        while (status := _http(port, "POST", "/v1/completions", body, key=None)[0]) == 503:
+            assert time.monotonic() < deadline, "the closed stream's slot never came back"
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for c in streams:
+            c.close()
+        srv.should_exit = True
+        thread.join(30)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        create_app(backend, TOK, MODEL, max_in_flight=0)
