@@ -7,7 +7,7 @@ reference. Checks: 32 concurrent streams through the official ``openai`` client 
 text, each actor runs on its own node; killing the decode actor mid-stream ends the streams in flight (typed
 ``PeerDeadError``), /health is 503 until Ray has restarted it and 200 after, new requests get the reference text
 again, no page is left held on either side; prefix reuse works on the Ray path; a forged or replayed transfer
-descriptor is refused with a typed ``StaleDescriptorError``.
+descriptor is refused with a typed ``StaleDescriptorError`` (``ForgedDescriptorError`` when altered after signing).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Engine
 from phaseserve.server import EngineBackend, create_app
 from phaseserve.server.launch import build_backend, compose, start_in_thread
-from phaseserve.serving.protocol import StaleDescriptorError
+from phaseserve.serving.protocol import ForgedDescriptorError, StaleDescriptorError
+from phaseserve.serving.transfer import DescriptorAuth
 
 MODEL = "phaseserve-default"
 TOK = ByteTokenizer()
@@ -138,11 +139,15 @@ def test_a_forged_or_replayed_descriptor_is_refused_typed(deployment):
         staged = engine.prefill.export([0])  # the null page, staged for a pull
         desc = staged.descriptor
         out = {}
+        auth = DescriptorAuth()  # the driver's copy of the deployment secret the actors were given
         for name, bad in (("stale_tag", desc.replace(tags=tuple(t + 1 for t in desc.tags))),
                           ("unknown", desc.replace(uuid=desc.uuid + 10**6)),
                           ("mismatch", desc.replace(length=desc.length + 1))):
-            with pytest.raises(StaleDescriptorError) as e:
+            with pytest.raises(ForgedDescriptorError):  # altered after the prefill actor signed it
                 engine.prefill.call("arm", bad, desc.request_id)
+            with pytest.raises(StaleDescriptorError) as e:  # re-signed: the staged-field checks beneath
+                engine.prefill.call("arm", auth.sign(bad), desc.request_id)
+            assert not isinstance(e.value, ForgedDescriptorError)
             out[name] = e.value.kind
         engine.decode.land([0], staged)  # the genuine one lands (and is released)
         with pytest.raises(StaleDescriptorError) as e:

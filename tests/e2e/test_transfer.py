@@ -19,6 +19,7 @@ from phaseserve.serving import StaleDescriptorError
 
 
 def test_staging_area_checks_each_descriptor_field():
+    from phaseserve.serving.protocol import ForgedDescriptorError
     from phaseserve.serving.transfer import Puller, StagingArea, start_endpoint
 
     staging = StagingArea(start_endpoint(), num_pages=4, page_size=4, ttl_s=60.0)
@@ -31,8 +32,11 @@ def test_staging_area_checks_each_descriptor_field():
     for name, bad in [("wrong_server", d1.replace(server_id=d1.server_id + 1)),
                       ("unknown", d1.replace(uuid=d1.uuid + 100)), ("mismatch", d1.replace(request_id="b")),
                       ("stale_tag", d1.replace(tags=d2.tags))]:
-        with pytest.raises(StaleDescriptorError) as e:
+        with pytest.raises(ForgedDescriptorError):  # altered after signing: refused before any field is looked at
             staging.serve(bad)
+        with pytest.raises(StaleDescriptorError) as e:  # signed by the control plane: the field checks beneath
+            staging.serve(staging.auth.sign(bad))
+        assert not isinstance(e.value, ForgedDescriptorError)
         kinds[name] = e.value.kind
     assert kinds == {k: k for k in kinds}
     with pytest.raises(StaleDescriptorError) as e:  # a genuine descriptor asked for by another request
