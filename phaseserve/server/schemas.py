@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from phaseserve.engine.request import MAX_LOGPROBS
@@ -148,6 +150,15 @@ class FunctionDef(_Lenient):
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict) -> dict:
+        try:
+            Draft202012Validator.check_schema(v)
+        except SchemaError as e:
+            raise ValueError(f"parameters is not a valid JSON schema: {e.message}") from None
+        return v
+
 
 class Tool(_Lenient):
     type: Literal["function"]
@@ -245,6 +256,38 @@ class ChatCompletionRequest(SamplingFields):
     def tools_on(self) -> bool:
         """Whether the reply may be a tool call (tools given and ``tool_choice`` is not ``"none"``)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def offered_tools(self) -> dict[str, dict] | None:
+        """name -> parameters schema of the tools a reply may call (None: no tool call is read)."""
+        return {t.function.name: t.function.parameters for t in self.tools} if self.tools_on else None
+
+
+class TokenizeRequest(_Lenient):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` (``add_special_tokens``: as a completion prompt is encoded, with
+    ``<bos>``) or chat ``messages`` (rendered as a chat completion's prompt)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt=false is not supported: a chat prompt ends where the reply starts")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's): token ids -> ``{"prompt": text}``."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from phaseserve.data.tokenizer import ByteTokenizer
-from phaseserve.data.toolcalls import examples
+from phaseserve.data.toolcalls import TOOLS, examples
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, tool_calls_of
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, Message, validation_message
 
@@ -90,19 +90,43 @@ def test_a_single_request_renders_in_the_trained_format_and_tool_choice_forces_t
 
 def test_tool_calls_are_read_back_with_json_arguments():
     for ex in examples(5, "heldout", seed=int(np.random.default_rng().integers(1 << 20))):
-        calls = tool_calls_of(ex.completion_ids(TOK), TOK)
+        calls = tool_calls_of(ex.completion_ids(TOK), TOK, TOOLS)
         assert calls[0]["function"]["name"] == ex.call["name"]
         assert json.loads(calls[0]["function"]["arguments"]) == ex.call["arguments"]
-        ts = TextStream(TOK, tools_on=True)
+        ts = TextStream(TOK, tools=TOOLS)
         assert ts.feed(ex.completion_ids(TOK)) == "" and ts.flush() == ""
         content, got = ts.reply()
         assert content is None and json.loads(got[0]["function"]["arguments"]) == ex.call["arguments"]
     broken = [TOK.tool_start_id, *TOK.encode('{"name": "f", "arguments": [1'), TOK.eos_id]
-    assert tool_calls_of(broken, TOK) is None
-    ts = TextStream(TOK, tools_on=True)
+    assert tool_calls_of(broken, TOK, {"f": {}}) is None
+    ts = TextStream(TOK, tools={"f": {}})
     ts.feed(TOK.encode("ok ") + broken)
     ts.flush()
     assert ts.reply() == ('ok <tool_call>{"name": "f", "arguments": [1<eos>', None)
+
+
+def test_a_call_to_a_tool_not_offered_or_with_bad_arguments_is_not_a_call():
+    """Offered only book_flight, a get_weather call comes back as text; so does a book_flight call whose arguments
+    fail its schema."""
+    weather = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    ids = [TOK.tool_start_id, *TOK.encode(json.dumps(weather)), TOK.tool_end_id, TOK.eos_id]
+    assert tool_calls_of(ids, TOK, TOOLS) is not None  # offered: a call
+    offered = {"book_flight": TOOLS["book_flight"]}
+    assert tool_calls_of(ids, TOK, offered) is None
+    ts = TextStream(TOK, tools=offered)
+    ts.feed(ids)
+    ts.flush()
+    assert ts.reply() == (f"<tool_call>{json.dumps(weather)}</tool_call><eos>", None)
+    bad = {"name": "book_flight", "arguments": {"origin": 5}}
+    ids = [TOK.tool_start_id, *TOK.encode(json.dumps(bad)), TOK.tool_end_id]
+    assert tool_calls_of(ids, TOK, offered) is None
+
+
+def test_an_offered_tool_schema_must_be_valid():
+    body = {"messages": USER, "tools": [{"type": "function", "function": {"name": "f",
+                                                                         "parameters": {"type": "nonsense"}}}]}
+    with pytest.raises(ValidationError, match="not a valid JSON schema"):
+        ChatCompletionRequest.model_validate(body)
 
 
 TEXT = st.text(alphabet=st.sampled_from(list("ab \n") + ["é", "€", "😀", "\u0301"]), max_size=40)
