@@ -407,13 +407,15 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         for p in body.prompts:
             if isinstance(p, str):
                 chars_fit(len(p))
-                prompts.append((await asyncio.to_thread(tokenizer.encode_prompt, p), p))  # <bos>: as trained
+                encode = tokenizer.encode_prompt if body.add_special_tokens else tokenizer.encode
+                prompts.append((await asyncio.to_thread(encode, p), p))  # <bos>: as trained
             else:
                 prompts.append((list(p), None))
         scored = body.echo and body.logprobs is not None
         extra = {"logprobs": body.logprobs,
                  "prompt_logprobs": body.logprobs if scored else 0 if body.max_tokens == 0 else None}
-        specs = [(await new_request(ids, body, body.max_tokens, http, j, **extra), TextStream(tokenizer, body.stops))
+        specs = [(await new_request(ids, body, body.max_tokens, http, j, **extra),
+                  TextStream(tokenizer, body.stops, min_tokens=body.min_tokens))
                  for ids, _ in prompts for j in range(body.n)]
         gens = await open_all(specs)
         rid, created = f"cmpl-{gens[0].req.id}", int(time.time())
@@ -473,7 +475,8 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         budget = body.token_budget(max(limits.max_context - len(prompt), 1))
         extra = {"logprobs": (body.top_logprobs or 0) if body.logprobs else None}
         specs = [(await new_request(prompt, body, budget, http, j, **extra),
-                  TextStream(tokenizer, body.stops, tools=body.offered_tools, forced=forced)) for j in range(body.n)]
+                  TextStream(tokenizer, body.stops, tools=body.offered_tools, forced=forced,
+                             min_tokens=body.min_tokens)) for j in range(body.n)]
         gens = await open_all(specs)
         rid, created = f"chatcmpl-{gens[0].req.id}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}

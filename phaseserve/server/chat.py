@@ -98,8 +98,8 @@ class TextStream:
     """
 
     def __init__(self, tok: Any, stops: list[str] = (), tools: dict[str, dict] | None = None,
-                 forced: list[int] = ()):
-        self.tok, self.stops, self.tools = tok, list(stops), tools
+                 forced: list[int] = (), min_tokens: int = 0):
+        self.tok, self.stops, self.tools, self.min_tokens = tok, list(stops), tools, min_tokens
         self.tools_on = tools is not None
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""  # decoded text so far (before any stop string)
@@ -125,6 +125,8 @@ class TextStream:
                 self.call_ids = [t]
                 continue
             self.text += self._decode(t)
+            if len(self.ids) <= self.min_tokens:  # stop strings count only past min_tokens (as stop tokens)
+                continue
             for s in self.stops:
                 at = self.text.find(s, self.sent)
                 if at >= 0:

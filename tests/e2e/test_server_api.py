@@ -245,3 +245,19 @@ def test_a_checkpoint_is_served_with_its_own_tokenizer_and_chat_template(hf_serv
     status, err = post(hf_server, "/v1/chat/completions", {
         "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert status == 400 and err["error"]["param"] == "tools"
+
+
+def test_stop_token_ids_and_min_tokens_are_honoured(server):
+    base = {"prompt": [TOK.bos_id, *TOK.encode("def add(a, b):\n")], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    status, r = post(server, "/v1/completions", base)
+    ids = [TOK.encode(t)[0] for t in r["choices"][0]["logprobs"]["tokens"]]  # the greedy tokens (ASCII code)
+    stop = ids[1]
+    status, cut = post(server, "/v1/completions", {**base, "stop_token_ids": [stop]})
+    assert status == 200 and cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] == ids.index(stop) + 1  # ended at the stop token (was: ignored)
+    status, held = post(server, "/v1/completions", {**base, "stop_token_ids": [stop], "min_tokens": 5})
+    assert held["usage"]["completion_tokens"] >= 6
+    assert held["choices"][0]["text"][:5] == r["choices"][0]["text"][:5]
+    status, err = post(server, "/v1/completions", {**base, "presence_penalty": 1.0})
+    assert status == 400 and "presence_penalty" in err["error"]["message"]
