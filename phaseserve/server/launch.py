@@ -17,6 +17,7 @@ with a :class:`~phaseserve.ConfigError`.
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import threading
 import time
@@ -78,6 +79,21 @@ def build_backend(cfg: DictConfig) -> Any:
     return RouterBackend(Router(ServerSpec(model=mspec, serve=serve), ServerSpec(model=mspec, serve=serve)))
 
 
+def use_compilation_cache(cfg: DictConfig) -> None:
+    """JAX's persistent compilation cache in ``jax_cache_dir`` (``configs/config.yaml``; null: off), so a restarted
+    server loads what an earlier one compiled (its warm-up included) instead of compiling it again. A
+    ``JAX_COMPILATION_CACHE_DIR`` in the environment wins."""
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or not cfg.get("jax_cache_dir"):
+        return
+    d = repo_path(cfg.jax_cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def warm_up(backends: list, mode: str) -> None:
     """Compile every shape the engines can run before the server answers ``/health`` (``Engine.warm_up``), and
     say so: ``mode`` ``all``; ``none`` (only the handoff's chunk sizes); ``auto`` (default): ``all`` on an
@@ -109,6 +125,7 @@ def serve(cfg: DictConfig) -> None:
     from phaseserve.server.app import create_app
 
     tok = tokenizer_of(cfg)
+    use_compilation_cache(cfg)
     backend = build_backend(cfg)
     backends = backend if isinstance(backend, list) else [backend]
     vocab = backends[0].limits.vocab_size

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from phaseserve.engine import Request, RequestOutput
+from phaseserve.engine import InvalidParameterError, Request, RequestOutput
 
 KEEP_FINISHED = 1024  # finished outputs a served engine keeps (Engine.keep_finished)
 TOTALS = ("preemptions", "integrity_aborts", "prefix_lookup_pages", "prefix_hit_pages")
@@ -117,6 +117,11 @@ class RouterBackend:
         return self.router.limits
 
     def submit(self, req: Request) -> RequestOutput:
+        if req.logprobs is not None or req.prompt_logprobs is not None:  # the server processes do not make them
+            out = RequestOutput(id=req.id, finish_reason="error", error=InvalidParameterError(
+                f"request {req.id!r}: logprobs are not supported by the router backend (backend=engine has them)"))
+            out.metrics.arrival = out.metrics.finished = time.perf_counter()
+            return out
         return self.router.submit(req)
 
     def cancel(self, rid: str) -> bool:

@@ -383,3 +383,5 @@ def test_router_backend_completion_and_stream_equal_the_in_process_tokens(router
                                        stream_options={"include_usage": True}, **kw))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == TOK.decode(ref[1].tokens, skip_special=True)
     assert sum(1 for ch in chunks if ch.choices) > 1 and chunks[-1].usage.completion_tokens == 10
+    with pytest.raises(openai.BadRequestError, match="logprobs are not supported by the router"):  # not ignored
+        c.completions.create(prompt="hi", logprobs=1, **kw)
