@@ -37,7 +37,8 @@ prompts = [f"def {name}(items):\n    \"\"\"Return the {what} of the items.\"\"\"
            for name, what in (("total", "sum"), ("mean", "average"), ("largest", "maximum"), ("smallest", "minimum"),
                               ("unique", "distinct values"), ("first", "first one"), ("last", "last one"),
                               ("count", "number"))]
-reference = replicas.generate([ps.Request(id=f"ref{i}", prompt=tok.encode(p), max_tokens=TOKENS, ignore_eos=True)
+reference = replicas.generate([ps.Request(id=f"ref{i}", prompt=tok.encode(p, bos=True), max_tokens=TOKENS,
+                                          ignore_eos=True)  # <bos>: as the server encodes a string prompt
                                for i, p in enumerate(prompts)])  # in-process, greedy (also compiles the shapes)
 for engine in replicas.engines:
     engine.reset_metrics()

@@ -43,8 +43,8 @@ from phaseserve.serving.transfer import Puller, StagingArea, start_endpoint
 from phaseserve.sharding import make_mesh
 
 PHASES = ("prefill", "decode")
-CALLS = frozenset({"info", "kernels", "snapshot", "pool_ok", "reset_pool", "run_batch", "scrub", "swap_out", "swap_in",
-                   "stage", "arm", "release", "pull_land"})
+CALLS = frozenset({"info", "kernels", "snapshot", "pool_ok", "reset_pool", "run_batch", "warm_tags", "scrub",
+                   "swap_out", "swap_in", "stage", "arm", "release", "pull_land"})
 
 
 class PhaseActor:
@@ -119,8 +119,9 @@ class PhaseActor:
     # ---- steps ----------------------------------------------------------------------------------------------
     def run_batch(self, batch: Any, check: tuple | None = None, ids: list[str] | None = None,
                   tags: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
-        """Prefill: ``run_batch(ChunkBatch)`` -> first tokens i32[B]. Decode: ``run_batch(DecodeBatch, check,
-        ids, tags)`` -> (next tokens i32[B], failures by id, device seconds), after pushing ``tags`` (pages i32[n],
+        """Prefill: ``run_batch(ChunkBatch)`` -> (first tokens i32[B], logprob arrays or None, prompt logprob arrays
+        or None). Decode: ``run_batch(DecodeBatch, check, ids, tags)`` -> (next tokens i32[B], failures by id, device
+        seconds, logprob arrays or None), after pushing ``tags`` (pages i32[n],
         tags u32[n]: the engine allocator's changes since the last step) to the device tag mirror."""
         if self.phase == "prefill":
             return self.worker.run_batch(batch)
@@ -130,6 +131,9 @@ class PhaseActor:
 
     def scrub(self, pages: list[int]) -> None:
         self.worker.scrub(pages)
+
+    def warm_tags(self) -> int:
+        return self.worker.warm_tags()
 
     def swap_out(self, pages: list[int]) -> tuple[int, Any]:
         return self.worker.swap_out(pages)

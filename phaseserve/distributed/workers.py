@@ -33,7 +33,17 @@ from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import KVIntegrityError
 from phaseserve.engine.request import Limits
 from phaseserve.engine.scheduler import Chunk, Sequence
-from phaseserve.engine.workers import DecodeWorker, chunk_batch, chunk_groups, decode_inputs, pages_to_scrub
+from phaseserve.engine.workers import (
+    DecodeWorker,
+    chunk_batch,
+    chunk_groups,
+    decode_inputs,
+    decode_shapes,
+    pages_to_scrub,
+    prefill_shapes,
+    warm_chunk_batch,
+    warm_decode_inputs,
+)
 from phaseserve.serving.protocol import PeerDeadError, TransferDescriptor
 
 
@@ -202,8 +212,15 @@ class RemotePrefill(RemoteWorker):
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         return chunk_groups(chunks, self.max_prefill_tokens)
 
-    def run(self, group: list[Chunk]) -> np.ndarray:
-        return np.asarray(self.call("run_batch", chunk_batch(self.tables, self.page_size, group)))[: len(group)]
+    def run(self, group: list[Chunk]) -> tuple[np.ndarray, tuple | None, tuple | None]:
+        first, gen, prompt = self.call("run_batch", chunk_batch(self.tables, self.page_size, group))
+        return np.asarray(first)[: len(group)], gen, prompt
+
+    def shapes(self, max_rows: int, max_chunk: int, max_pages: int) -> list[tuple[int, int, int]]:
+        return prefill_shapes(self.tables, self.page_size, self.max_prefill_tokens, max_rows, max_chunk, max_pages)
+
+    def warm(self, b: int, c: int, w: int) -> None:
+        self.call("run_batch", warm_chunk_batch(b, c, w))
 
 
 class RemoteTracker:
@@ -232,15 +249,27 @@ class RemoteDecode(RemoteWorker):
             return np.arange(self.num_pages, dtype=np.int32), self.allocator.tags.copy()
         return pages, tags
 
-    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
+    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
         batch, check = decode_inputs(self.tables, rows)
+        nxt, failures, device_s, lps = self._run(batch, check, [s.id for s in rows])
+        self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
+        return np.asarray(nxt)[: len(rows)], failures, device_s, lps
+
+    def _run(self, batch: Any, check: tuple, ids: list[str]) -> tuple:
         try:
-            nxt, failures, device_s = self.call("run_batch", batch, check, [s.id for s in rows], self._tag_updates())
+            return self.call("run_batch", batch, check, ids, self._tag_updates())
         except Exception:
             self._full_tags = True  # the drained tag changes may not have reached the actor's mirror
             raise
-        self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
-        return np.asarray(nxt)[: len(rows)], failures, device_s
+
+    def shapes(self, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
+        return decode_shapes(self.tables, max_rows, max_pages)
+
+    def warm(self, b: int, w: int) -> None:
+        self._run(*warm_decode_inputs(b, w), [])
+
+    def warm_tags(self) -> int:
+        return self.call("warm_tags")
 
     def swap_out(self, pages: list[int]) -> tuple[int, Any]:
         return self.call("swap_out", list(map(int, pages)))

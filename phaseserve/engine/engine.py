@@ -53,6 +53,7 @@ from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_p
 from phaseserve.engine.request import (
     CancelledError,
     Limits,
+    Logprob,
     Request,
     RequestOutput,
     nonfinite_logits,
@@ -60,7 +61,7 @@ from phaseserve.engine.request import (
 )
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
-from phaseserve.engine.workers import PhaseWorkers, local_workers, stop_reason
+from phaseserve.engine.workers import PhaseWorkers, local_workers, logprob_at, stop_reason
 from phaseserve.model.params import Params
 
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
@@ -227,14 +228,16 @@ class Engine:
             if self._seqs.get(s.id) is s:
                 self._finish(s, "error", err)
 
-    def _emit(self, seq: Sequence, token: int, events: list) -> None:
-        """Append a generated token, record timing, finish on stop / length (on non-finite logits: an error, and
-        nothing appended)."""
+    def _emit(self, seq: Sequence, token: int, events: list, logprob: Logprob | None = None) -> None:
+        """Append a generated token (and its logprob, when the request asked), record timing, finish on stop /
+        length (on non-finite logits: an error, and nothing appended)."""
         out = seq.output
         if token == NONFINITE_TOKEN:
             self._finish(seq, "error", nonfinite_logits(seq.id, len(out.tokens)))
             return
         seq.tokens.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
         out.tokens.append(token)
         now = time.perf_counter()
         if out.metrics.first_token is None:
@@ -338,7 +341,7 @@ class Engine:
         if not group:
             return
         try:
-            first = self.prefill.run(group)
+            first, gen, prompt = self.prefill.run(group)
         except Exception as e:
             if self._device_failure([c.seq for c in group], e):
                 half = len(group) // 2
@@ -348,18 +351,32 @@ class Engine:
         self.metrics.prefill_batches += 1
         self.metrics.prefill_tokens += sum(c.n for c in group)
         done = []
-        for c, tok in zip(group, first, strict=True):
+        for i, (c, tok) in enumerate(zip(group, first, strict=True)):
             c.seq.computed += c.n
-            if c.ends_prompt:
-                done.append((c.seq, int(tok)))
+            if prompt is not None and c.seq.output.prompt_logprobs is not None:
+                self._record_prompt_logprobs(c, prompt, i)
+            if c.ends_prompt and c.seq.request.max_tokens == 0:  # scoring only: nothing is generated
+                self._finish(c.seq, "length")
+            elif c.ends_prompt:
+                done.append((c.seq, int(tok), logprob_at(gen, (i,), int(tok), c.seq.request.logprobs)))
         if done:
             self._hand_off(done, events)
 
-    def _hand_off(self, done: list[tuple[Sequence, int]], events: list) -> None:
+    @staticmethod
+    def _record_prompt_logprobs(c: Chunk, arrays: tuple, row: int) -> None:
+        """The logprobs of the prompt tokens this chunk's positions predict (position p predicts token p + 1),
+        each recorded once (a prompt re-prefilled after a preemption keeps its first values)."""
+        out, n_top = c.seq.output.prompt_logprobs, c.seq.request.prompt_logprobs
+        for j in range(c.n):
+            t = c.start + j + 1
+            if t < len(out) and out[t] is None:
+                out[t] = logprob_at(arrays, (row, j), c.seq.tokens[t], n_top)
+
+    def _hand_off(self, done: list[tuple[Sequence, int, Logprob | None]], events: list) -> None:
         """The finished prompts' pages (past any shared prefix) to decode, in one payload of whole pages; then their
         prefill pages are freed, their prompt pages registered for prefix hits and their first tokens emitted. If the
         handoff raises, it is retried per request."""
-        seqs = [s for s, _ in done]
+        seqs = [s for s, _, _ in done]
         try:
             src = [p for s in seqs for p in self.prefill.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
             dst = [p for s in seqs for p in self.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
@@ -370,7 +387,7 @@ class Engine:
                 for d in done:
                     self._hand_off([d], events)
             return
-        for s, tok in done:
+        for s, tok, lp in done:
             if tok == NONFINITE_TOKEN:  # the KV it computed may hold NaN: its private pages in both pools (not a
                 # shared prefix it reused) are zeroed before they are freed
                 self.prefill.scrub(self.prefill.tables.owned(s.id))
@@ -378,7 +395,7 @@ class Engine:
             self.scheduler.prefilled(s)
             self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
-                self._emit(s, tok, events)
+                self._emit(s, tok, events, lp)
 
     def _prompt_pages(self, seq: Sequence) -> int:
         return -(-seq.num_prompt // self.serve.cache.page_size)
@@ -414,7 +431,7 @@ class Engine:
         try:
             for hook in self.fault_hooks:
                 hook(self, rows)
-            nxt, failures, device_s = self.decode.step(rows)
+            nxt, failures, device_s, lps = self.decode.step(rows)
         except Exception as e:
             if not self._device_failure(rows, e):
                 return 0.0
@@ -427,7 +444,7 @@ class Engine:
             if err is not None:
                 self._finish(s, "aborted", err)
             else:
-                self._emit(s, int(nxt[i]), events)
+                self._emit(s, int(nxt[i]), events, logprob_at(lps, (i,), int(nxt[i]), s.request.logprobs))
         self.metrics.decode_tokens += len(rows) - len(failures)
         return device_s
 
@@ -500,6 +517,23 @@ class Engine:
         self.prefill.block()
         self.decode.block()
         return len(sizes)
+
+    def warm_up(self) -> dict[str, int]:
+        """Compile every shape serving can run before any request arrives, so none compiles while requests wait:
+        the handoff's chunk sizes (:meth:`warm_handoff`), every padded prefill group (rows x chunk x page-table
+        width, :meth:`PrefillWorker.shapes`) and every padded decode batch (rows x width, with its integrity
+        check). The shapes are the engine's buckets (powers of two, widths of :func:`width_bucket`), so their
+        number grows with the log of ``max_batch``, ``max_prefill_tokens`` and the context. Returns the counts."""
+        rows, chunk = self.max_batch, min(self.serve.max_prefill_tokens, self.limits.max_context)
+        pages = min(self.limits.max_pages, -(-self.limits.max_context // self.serve.cache.page_size))
+        prefill, decode = self.prefill.shapes(rows, chunk, pages), self.decode.shapes(rows, pages)
+        for shape in prefill:
+            self.prefill.warm(*shape)
+        for shape in decode:
+            self.decode.warm(*shape)
+        handoff = self.warm_handoff()
+        return {"prefill_shapes": len(prefill), "decode_shapes": len(decode), "handoff_sizes": handoff,
+                "tag_sync_sizes": self.decode.warm_tags()}
 
     def reset_metrics(self) -> None:
         """Start a new measurement run: clear the run counters and the finished outputs (nothing in flight)."""

@@ -39,7 +39,7 @@ from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, Se
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
-from phaseserve.engine.request import Limits, Request
+from phaseserve.engine.request import MAX_LOGPROBS, Limits, Logprob, Request
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Sequence
 from phaseserve.quant.policy import phase_policy
@@ -58,6 +58,11 @@ def width_bucket(n: int, lo: int = 4) -> int:
     power of two wastes up to a half) at twice the compiled widths of :func:`bucket`."""
     w = bucket(n, lo)
     return max(lo, w * 3 // 4) if w * 3 // 4 >= n else w
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """The padded batch sizes of up to ``max_rows`` rows: 1, 2, 4, .. bucket(max_rows)."""
+    return [1 << i for i in range(bucket(max_rows).bit_length())]
 
 
 def cache_pages(cfg: ModelConfig, cache: CacheConfig, kv_dtype: str, device: jax.Device) -> int:
@@ -83,8 +88,11 @@ def prefill_pages(limits: Any, max_prefill_tokens: int) -> int:
 
 
 def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
-    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token, ``"length"`` at ``max_tokens``, else None."""
-    if token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids):
+    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token past the first ``min_tokens`` (such a token
+    earlier is kept, and generation goes on: the finish rule, not a mask on the logits), ``"length"`` at
+    ``max_tokens``, else None."""
+    stoppable = num_generated > req.min_tokens
+    if stoppable and (token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids)):
         return "stop"
     if num_generated >= req.max_tokens:
         return "length"
@@ -94,34 +102,52 @@ def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int
 def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
     """Per-row sampling parameters for ``seqs`` padded to ``b`` rows (padding rows are greedy)."""
     temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-    seeds, steps = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+    seeds, steps, want = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, bool)
     for i, s in enumerate(seqs):
         r = s.request
         temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
+        want[i] = r.logprobs is not None
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, want_logprobs=want)
+
+
+def top_logprobs_k(cfg: ModelConfig) -> int:
+    """The number of top alternatives the jitted steps compute per token (a request slices its own)."""
+    return min(MAX_LOGPROBS, cfg.vocab_size)
+
+
+def logprob_at(arrays: tuple[np.ndarray, ...] | None, index: tuple, token: int, n_top: int | None) -> Logprob | None:
+    """The :class:`Logprob` at ``index`` of a step's host logprob arrays ``(logprob, top logprobs, top ids)``, with
+    ``n_top`` alternatives; None when the request did not ask (``n_top`` None) or the step computed none."""
+    if arrays is None or n_top is None:
+        return None
+    lp, top_lp, top_ids = arrays
+    top = tuple((int(t), float(v)) for t, v in zip(top_ids[index][:n_top], top_lp[index][:n_top], strict=True))
+    return Logprob(int(token), float(lp[index]), top)
 
 
 def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, matmul_impl: str = "auto",
                    attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The prefill worker's jitted chunk step on ``mesh`` (pool donated): ``(params, pool, ChunkBatch) -> (first
-    i32[B] replicated, pool')``. Built from shardings only, so it also lowers for abstract arguments on a deviceless
-    mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
-    return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b), cfg, mesh, phase="prefill",
+    i32[B] replicated, pool', sampled tokens' logprobs, prompt positions' logprobs)``
+    (:func:`~phaseserve.engine.prefill.chunk_step`). Built from shardings only, so it also lowers for abstract
+    arguments on a deviceless mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
+    rep, top = replicated(mesh), top_logprobs_k(cfg)
+    return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b, top), cfg, mesh, phase="prefill",
                                 matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
-                   out_shardings=(replicated(mesh), pool_sharding), donate_argnums=(1,))
+                   out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
 
 
 def decode_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, hooks: Any = None,
                     matmul_impl: str = "auto", attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The decode worker's jitted step on ``mesh`` (pool donated): ``(params, pool, DecodeBatch, ok bool[B] | None)
-    -> (next i32[B], pool', finite bool[B] | None)``; ``hooks``: the integrity tracker (its hooks are static
+    -> (next i32[B], pool', finite bool[B] | None, logprobs)``; ``hooks``: the integrity tracker (its hooks are static
     methods, so the class :class:`~phaseserve.cache.integrity.IntegrityTracker` itself serves for tracing) or None.
     Built from shardings only, like :func:`chunk_step_jit`."""
-    rep = replicated(mesh)
+    rep, top = replicated(mesh), top_logprobs_k(cfg)
     return jax.jit(sharded_step(
-        lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl), cfg, mesh,
-        phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
-        out_shardings=(rep, pool_sharding, rep), donate_argnums=(1,))
+        lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl, top=top), cfg,
+        mesh, phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
+        out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
 
 
 def scrub_pages(worker: Any, pages: list[int]) -> None:
@@ -145,19 +171,66 @@ def chunk_groups(chunks: list[Chunk], max_prefill_tokens: int) -> list[list[Chun
 
 def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> ChunkBatch:
     """The host inputs of one chunk step for ``group`` (padded to a power of two rows and chunk length; the page
-    table as wide as the longest chunk needs, bucketed)."""
+    table as wide as the longest chunk needs, bucketed; ``targets``: each position's next prompt token for the rows
+    that asked for prompt logprobs, else -1)."""
     b, c = bucket(len(group)), bucket(max(ch.n for ch in group), 16)
     need = max(-(-(ch.start + ch.n) // page_size) for ch in group)
     pt, _, _ = tables.batch([ch.id for ch in group], pad_to=b)
     pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
     tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
     valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+    targets, want_prompt = np.full((b, c), -1, np.int32), np.zeros(b, bool)
     for i, ch in enumerate(group):
         tokens[i, : ch.n] = ch.seq.tokens[ch.start: ch.start + ch.n]
         positions[i] += ch.start
         valid[i, : ch.n], lengths[i], last[i] = True, ch.start + ch.n, ch.n - 1
-    return ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last,
-                      page_table=pt, **sampling_rows([ch.seq for ch in group], b))
+        n_prompt = len(ch.seq.request.prompt)  # the user's prompt (not tokens re-prefilled after a preemption)
+        if ch.seq.request.prompt_logprobs is not None and ch.start < n_prompt - 1:
+            end = min(ch.start + ch.n + 1, n_prompt)
+            targets[i, : end - ch.start - 1] = ch.seq.tokens[ch.start + 1: end]
+            want_prompt[i] = True
+    return ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last, page_table=pt,
+                      targets=targets, want_prompt=want_prompt, **sampling_rows([ch.seq for ch in group], b))
+
+
+def warm_chunk_batch(b: int, c: int, w: int) -> ChunkBatch:
+    """A chunk batch of one padded shape with nothing valid (compiling the step at it writes no page)."""
+    z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
+    return ChunkBatch(tokens=z(b, c), positions=np.tile(np.arange(c, dtype=np.int32), (b, 1)),
+                      valid=z(b, c, dt=bool), lengths=z(b), last=z(b), page_table=z(b, w),
+                      targets=np.full((b, c), -1, np.int32), want_prompt=z(b, dt=bool), **sampling_rows([], b))
+
+
+def warm_decode_inputs(b: int, w: int) -> tuple[DecodeBatch, tuple]:
+    """A decode batch of one padded shape, padding rows only, and its integrity check's inputs."""
+    pt, expected, live = np.zeros((b, w), np.int32), np.zeros((b, w), np.uint32), np.zeros(b, np.int32)
+    batch = DecodeBatch(tokens=np.zeros(b, np.int32), positions=np.zeros(b, np.int32), page_table=pt,
+                        active=np.zeros(b, bool), **sampling_rows([], b))
+    return batch, (pt, expected, live)
+
+
+def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, max_rows: int, max_chunk: int,
+                   max_pages: int) -> list[tuple[int, int, int]]:
+    """Every ``(rows, chunk, page-table width)`` a prefill group can be padded to, for groups of up to ``max_rows``
+    chunks of up to ``max_chunk`` tokens of requests holding up to ``max_pages`` pages (:func:`chunk_groups` keeps
+    rows x chunk within ``max_prefill_tokens``; a chunk of ``c`` tokens past a prefix or an earlier chunk may need
+    any wider table)."""
+    cap, out = min(tables.page_table.shape[1], max_pages), []
+    for c in (16 << i for i in range(bucket(max(max_chunk, 16), 16).bit_length() - 4)):
+        least = -(-(c // 2 + 1 if c > 16 else 1) // page_size)  # pages of the shortest chunk padded to c
+        widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
+        for b in batch_buckets(max_rows):
+            if b * c <= max(max_prefill_tokens, c):
+                out += [(b, c, w) for w in widths]
+    return out
+
+
+def decode_shapes(tables: PageTables, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
+    """Every ``(rows, page-table width)`` a decode batch of up to ``max_rows`` rows of requests holding up to
+    ``max_pages`` pages can be padded to."""
+    cap = min(tables.page_table.shape[1], max_pages)
+    widths = sorted({min(width_bucket(n), cap) for n in range(1, cap + 1)})
+    return [(b, w) for b in batch_buckets(max_rows) for w in widths]
 
 
 def decode_inputs(tables: PageTables, rows: list[Sequence]) -> tuple[DecodeBatch, tuple]:
@@ -228,15 +301,29 @@ class PrefillWorker:
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         return chunk_groups(chunks, self.max_prefill_tokens)
 
-    def run(self, group: list[Chunk]) -> np.ndarray:
+    def run(self, group: list[Chunk]) -> tuple[np.ndarray, tuple | None, tuple | None]:
         """One chunk step for ``group`` (each request's pages already allocated): the token sampled at each chunk's
-        last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt)."""
-        return self.run_batch(chunk_batch(self.tables, self.page_size, group))[: len(group)]
+        last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt);
+        the host logprob arrays of those tokens and of every chunk position's next prompt token (``(logprob, top
+        logprobs, top ids)`` indexed ``[row]`` and ``[row, j]``), each None unless a row of the group asked."""
+        first, gen, prompt = self.run_batch(chunk_batch(self.tables, self.page_size, group))
+        return first[: len(group)], gen, prompt
 
-    def run_batch(self, batch: ChunkBatch) -> np.ndarray:
-        """The device half of :meth:`run`: one jitted chunk step; the sampled tokens i32[B] on the host."""
-        first, self.pool = self._chunk(self.params, self.pool, batch)
-        return np.asarray(first)
+    def run_batch(self, batch: ChunkBatch) -> tuple[np.ndarray, tuple | None, tuple | None]:
+        """The device half of :meth:`run`: one jitted chunk step; the sampled tokens i32[B] and the logprob arrays
+        (fetched only when a row asked) on the host."""
+        first, self.pool, gen, prompt = self._chunk(self.params, self.pool, batch)
+        gen = jax.device_get(gen) if batch.want_logprobs.any() else None
+        prompt = jax.device_get(prompt) if batch.want_prompt.any() else None
+        return np.asarray(first), gen, prompt
+
+    def shapes(self, max_rows: int, max_chunk: int, max_pages: int) -> list[tuple[int, int, int]]:
+        """Every padded ``(rows, chunk, page-table width)`` :meth:`run` can use (:func:`prefill_shapes`)."""
+        return prefill_shapes(self.tables, self.page_size, self.max_prefill_tokens, max_rows, max_chunk, max_pages)
+
+    def warm(self, b: int, c: int, w: int) -> None:
+        """Compile the chunk step at one padded shape (nothing valid: no page is written)."""
+        self.run_batch(warm_chunk_batch(b, c, w))
 
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
@@ -344,25 +431,41 @@ class DecodeWorker:
         """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
         return export_paged(self._export, self.pool, pages, dtype)
 
-    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
-        """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""
+    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
+        """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds, the tokens'
+        host logprob arrays ``(logprob, top logprobs, top ids)`` indexed by row, None unless a row asked)."""
         batch, check = decode_inputs(self.tables, rows)
-        nxt, failures, device_s = self.run_batch(batch, check, [s.id for s in rows])
+        nxt, failures, device_s, lps = self.run_batch(batch, check, [s.id for s in rows])
         self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
-        return nxt[: len(rows)], failures, device_s
+        return nxt[: len(rows)], failures, device_s, lps
 
-    def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str]) -> tuple[np.ndarray, dict, float]:
+    def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str]) -> tuple[np.ndarray, dict, float, Any]:
         """The device half of :meth:`step`: the integrity check (``check`` = page table, expected tags, live pages)
-        and the jitted step; (next tokens i32[B], failures by id, device seconds)."""
+        and the jitted step; (next tokens i32[B], failures by id, device seconds, logprob arrays or None)."""
         pt, expected, live = check
         b = len(batch.tokens)
         t0 = time.perf_counter()
         ok = self.tracker.check(pt, expected, live)
-        nxt, self.pool, finite = self._decode(self.params, self.pool, batch, ok)
-        nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
+        nxt, self.pool, finite, lps = self._decode(self.params, self.pool, batch, ok)
+        lps = lps if batch.want_logprobs.any() else None
+        nxt, ok_h, finite_h, lps = jax.device_get((nxt, ok, finite, lps))
         device_s = time.perf_counter() - t0
         failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        return np.asarray(nxt), failures, device_s
+        return np.asarray(nxt), failures, device_s, lps
+
+    def shapes(self, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
+        """Every padded ``(rows, page-table width)`` :meth:`step` can use (:func:`decode_shapes`)."""
+        return decode_shapes(self.tables, max_rows, max_pages)
+
+    def warm(self, b: int, w: int) -> None:
+        """Compile the integrity check and the decode step at one padded shape (padding rows only: nothing is
+        written)."""
+        batch, check = warm_decode_inputs(b, w)
+        self.run_batch(batch, check, [])
+
+    def warm_tags(self) -> int:
+        """Compile the integrity tracker's tag updates at every padded size (the number of sizes)."""
+        return self.tracker.warm()
 
 
 class PhaseWorkers(NamedTuple):

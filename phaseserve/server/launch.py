@@ -10,14 +10,15 @@ its ``experiment`` node:
   engine, its prefill and decode workers in Ray actors that own their devices (``experiment.ray``: the cluster
   address -- else ``RAY_ADDRESS``, else a local cluster --, per-phase node resources, restarts).
 
-The tokenizer is the checkpoint's ``tokenizer.json`` (a byte-level one, :mod:`phaseserve.data.tokenizer`, as the
-shipped default model has); a checkpoint without one is refused with a :class:`~phaseserve.ConfigError`.
+The tokenizer is the checkpoint's own: the byte-level one (:mod:`phaseserve.data.tokenizer`) for the shipped default
+model, else its Hugging Face tokenizer and chat template (``AutoTokenizer``); a checkpoint without one is refused
+with a :class:`~phaseserve.ConfigError`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
+import os
 import socket
 import threading
 import time
@@ -28,7 +29,7 @@ from omegaconf import DictConfig
 
 from phaseserve.config import ConfigError
 from phaseserve.config_hydra import repo_path
-from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -42,16 +43,18 @@ def compose(overrides: list[str] = ()) -> DictConfig:
         return hydra_compose(config_name="server", overrides=list(overrides))
 
 
-def tokenizer_of(cfg: DictConfig) -> ByteTokenizer:
+def tokenizer_of(cfg: DictConfig) -> ByteTokenizer | HFTokenizer:
+    """The checkpoint's tokenizer (:func:`~phaseserve.data.tokenizer.load_tokenizer`: the byte-level one, or its
+    own Hugging Face tokenizer); random weights of a preset: bytes (as good as any ids; vocab checked in serve)."""
     m = cfg.model
     if not m.get("checkpoint"):
-        return ByteTokenizer()  # random weights of a preset: bytes are as good as any ids (vocab checked below)
-    path = repo_path(m.checkpoint) / "tokenizer.json"
+        return ByteTokenizer()
+    path = repo_path(m.checkpoint)
     try:
-        return ByteTokenizer.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"the server needs the byte-level tokenizer.json next to a checkpoint; {path}: {e}") \
-            from None
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:  # no tokenizer files AutoTokenizer can read
+        raise ConfigError(f"the server needs the checkpoint's tokenizer (tokenizer.json / tokenizer_config.json) in "
+                          f"{path}: {type(e).__name__}: {e}") from None
 
 
 def build_backend(cfg: DictConfig) -> Any:
@@ -74,6 +77,45 @@ def build_backend(cfg: DictConfig) -> Any:
     return EngineBackend(RayEngine.from_hydra(cfg))
 
 
+def use_compilation_cache(cfg: DictConfig) -> None:
+    """JAX's persistent compilation cache in ``jax_cache_dir`` (``configs/config.yaml``; null: off), so a restarted
+    server loads what an earlier one compiled (its warm-up included) instead of compiling it again. A
+    ``JAX_COMPILATION_CACHE_DIR`` in the environment wins."""
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or not cfg.get("jax_cache_dir"):
+        return
+    d = repo_path(cfg.jax_cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def warm_up(backends: list, mode: str) -> None:
+    """Compile every shape the engines can run before the server answers ``/health`` (``Engine.warm_up``), and
+    say so: ``mode`` ``all``; ``none`` (only the handoff's chunk sizes); ``auto`` (default): ``all`` on an
+    accelerator, ``none`` on a CPU, where one shape of the default model compiles in ~20 s (a 2-core machine)."""
+    if mode not in ("auto", "all", "none"):
+        raise ConfigError(f"experiment.warmup must be auto, all or none, got {mode!r}")
+    import jax
+
+    engines = [b.engine for b in backends if hasattr(b, "engine")]
+    if mode == "auto":
+        mode = "none" if jax.default_backend() == "cpu" else "all"
+    t0 = time.perf_counter()
+    for e in engines:
+        if mode == "all":
+            counts = e.warm_up()
+        else:
+            counts = {"handoff_sizes": e.warm_handoff()}
+    if engines:
+        what = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items())
+        print(f"phaseserve: warm-up {mode}: compiled {what} per engine in {time.perf_counter() - t0:.1f} s"
+              + ("" if mode == "all" else "; other shapes compile on first use (experiment.warmup=all)"),
+              flush=True)
+
+
 def serve(cfg: DictConfig) -> None:
     """Build the backend and serve HTTP until interrupted (uvicorn)."""
     import uvicorn
@@ -81,15 +123,16 @@ def serve(cfg: DictConfig) -> None:
     from phaseserve.server.app import create_app
 
     tok = tokenizer_of(cfg)
+    use_compilation_cache(cfg)
     backend = build_backend(cfg)
     backends = backend if isinstance(backend, list) else [backend]
     vocab = backends[0].limits.vocab_size
-    if vocab > tok.vocab_size or vocab < 256 + 5:
+    if isinstance(tok, ByteTokenizer) and (vocab > tok.vocab_size or vocab < 256 + 5):
         raise ConfigError(f"the model's vocabulary ({vocab}) does not fit the byte tokenizer")
-    for b in backends:
-        if hasattr(b, "engine"):  # compile the handoff's chunk sizes now, not while requests wait
-            b.engine.warm_handoff()
+    if not isinstance(tok, ByteTokenizer) and tok.vocab_size > vocab:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens, the model's vocabulary {vocab}")
     s = cfg.experiment
+    warm_up(backends, str(s.get("warmup", "auto")))
     where = f", {len(backends)} replicas" if len(backends) > 1 else ""
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend{where}) on http://{s.host}:{s.port}/v1",
           flush=True)
