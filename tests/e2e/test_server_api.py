@@ -109,7 +109,9 @@ def test_prompt_lists_and_n_give_ordered_choices_with_their_seeds(server):
 
 
 def test_unseeded_sampling_draws_a_fresh_seed_per_request(server):
-    body = {"prompt": "Tell me", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True, "n": 3}
+    # temperature 2 over 24 tokens: the trained model continues "Tell me" with " the tempera" at p ~ 0.8 at
+    # temperature 1, so six draws there agree about one time in four even with six distinct seeds
+    body = {"prompt": "Tell me", "max_tokens": 24, "temperature": 2.0, "ignore_eos": True, "n": 3}
     seeds, texts = set(), set()
     for _ in range(2):
         status, r = post(server, "/v1/completions", body)
