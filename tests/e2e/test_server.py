@@ -263,9 +263,11 @@ def test_each_class_of_bad_input_gets_a_400_with_an_openai_error_body(server, st
         server["client"].completions.create(model=MODEL, prompt="hi", temperature=-1)
     with pytest.raises(openai.NotFoundError):
         server["client"].completions.create(model="gpt-4", prompt="hi")
-    # unknown fields are ignored, and the server still serves
+    # an unknown field is refused by name (never silently ignored), and the server still serves
     status, text = _http(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                            "frobnicate": 1})
+    assert status == 400 and "frobnicate" in json.loads(text)["error"]["message"]
+    status, text = _http(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] >= 1
     assert _idle(port)
 
