@@ -140,6 +140,20 @@ def paired_differences(ref: dict[int, dict], test: dict[int, dict], task: str, s
     return out
 
 
+def fill_intervals(tasks: dict[str, dict], out: Path, seed: int = 0) -> dict[str, dict]:
+    """Give ``bits_per_byte``, for which lm-eval reports no standard error, a percentile-bootstrap 95% interval over
+    the documents (their loglikelihoods resampled with their byte counts), marked ``"interval": "bootstrap"``."""
+    for task, metrics in tasks.items():
+        m = metrics.get("bits_per_byte")
+        if m is None or m["ci95"] is not None:
+            continue
+        rows = np.array([r["bits_per_byte"] for r in read_samples(out, task).values()], float)  # [docs, 2]
+        lo, hi = bootstrap_ci((rows[:, 0], rows[:, 1]), _bpb, seed=seed)
+        if lo is not None:
+            m.update(ci95=[lo, hi], interval="bootstrap")
+    return tasks
+
+
 # ---- the run -----------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     spec: LmEvalSpec = experiment_spec(cfg, LmEvalSpec)
@@ -164,7 +178,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                 rec["commands"].append(shlex.join(["lm_eval", *argv[1:]]))
                 log(f"[{name}] {rec['commands'][-1]}")
                 rec["wall_s"][group] = run_tool(argv, raw / name / f"lm_eval_{group}.log", spec.tool_timeout_s)
-                rec["tasks"].update(read_results(out))
+                rec["tasks"].update(fill_intervals(read_results(out), out, spec.seed))
             rec["compiles_during_eval"] = srv.compiles() - before
         reps[name] = rec
         log(f"[{name}] {json.dumps(rec['tasks'])}")
@@ -208,8 +222,10 @@ def markdown(results: dict) -> str:
              f"Measured {results['date']} with lm-evaluation-harness `local-completions` against `/v1/completions` "
              f"(tokenizer `{s['tokenizer']}`, token-id requests, {s['num_concurrent']} concurrent), "
              f"{s['limit'] or 'all'} documents per task; the project's local tasks (`lab/eval/tasks`, built from the "
-             "default model's held-out data by `lab/eval/lm_eval_tasks.py`). Intervals: value +- 1.96 x lm-eval's "
-             "standard error; differences: paired bootstrap (95%) over the same documents.", ""]
+             "default model's held-out data by `lab/eval/lm_eval_tasks.py`). Intervals (95%): value +- 1.96 x "
+             "lm-eval's standard error; bits per byte, for which lm-eval gives none: bootstrap over the documents; "
+             "differences: paired bootstrap over the same documents. Perplexities have no interval (lm-eval reports "
+             "none).", ""]
     header = ["representation", "server overrides"]
     cols = [(t, m) for t in [*s["bos_tasks"], *s["plain_tasks"]] for m in METRICS.get(t, {})]
     header += [f"{t} {METRICS[t][m][0]}" for t, m in cols] + ["compiles during eval"]
