@@ -79,9 +79,12 @@ def test_task_files_name_fields_the_data_has():
 def test_task_documents_are_held_out_and_well_formed():
     tok = ByteTokenizer()
     heldout = {ex.request for ex in examples(lt.NUM_TOOLCALLS, mix="single")}
+    longest = 0
     for d in _docs("ps_toolcalls"):
         assert d["prompt"].endswith("\n") and d["prompt"][:-1] in heldout
         assert validate_call(d["call"]) == [] and json.loads(d["target"]) == d["call"]
+        longest = max(longest, len([tok.tool_start_id, *tok.encode(d["target"]), tok.tool_end_id, tok.eos_id]))
+    assert _task("ps_toolcalls")["generation_kwargs"]["max_gen_toks"] >= longest  # no answer cut short
     for d in _docs("ps_code_ppl"):
         assert 0 < len(tok.encode(d["text"])) <= lt.PPL_BYTES and d["text"].endswith("\n")
     for d in _docs("ps_code_mc"):
