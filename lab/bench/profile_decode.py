@@ -167,7 +167,7 @@ def setup(cfg: ModelConfig, batch: int, *, context: int = 160, page_size: int = 
                     positions=np.full(batch, context, np.int32), page_table=pages, active=np.ones(batch, bool),
                     temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
                     top_p=np.ones(batch, np.float32), seeds=np.arange(batch, dtype=np.uint32),
-                    steps=np.zeros(batch, np.int32))
+                    steps=np.zeros(batch, np.int32), want_logprobs=np.zeros(batch, bool))
     tags = jnp.asarray(rng.integers(1, 2**31, num_pages).astype(np.uint32))
     expected = np.asarray(tags)[pages]
     return {"params": params, "pool": pool, "batch": b, "tags": tags, "expected": expected,
@@ -230,7 +230,7 @@ def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0,
     def run() -> float:
         t0 = time.perf_counter()
         ok = check(*args)
-        nxt, state["pool"], _ = step(s["params"], state["pool"], s["batch"], ok)
+        nxt, state["pool"], _, _ = step(s["params"], state["pool"], s["batch"], ok)
         nxt.block_until_ready()
         return (time.perf_counter() - t0) * 1e3
 
@@ -249,14 +249,14 @@ def pool_growth(cfg: ModelConfig, batch: int, *, factor: int = 100, repeats: int
         ok = jnp.ones(batch, bool)
         pool = s["pool"]
         for _ in range(2):
-            nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
+            nxt, pool, _, _ = step(s["params"], pool, s["batch"], ok)
             nxt.block_until_ready()
         arms[f] = [s, step, pool, ok, []]
     for _ in range(repeats):
         for arm in arms.values():
             s, step, pool, ok, times = arm
             t0 = time.perf_counter()
-            nxt, arm[2], _ = step(s["params"], pool, s["batch"], ok)
+            nxt, arm[2], _, _ = step(s["params"], pool, s["batch"], ok)
             nxt.block_until_ready()
             times.append((time.perf_counter() - t0) * 1e3)
     out = {f"{f}x": {"pages": arm[0]["num_pages"], "median_ms": float(np.median(arm[4])),

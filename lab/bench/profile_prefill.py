@@ -46,7 +46,8 @@ def setup(cfg: ModelConfig, batch: int, chunk: int, *, page_size: int = 16, seed
                    last=np.full(batch, chunk - 1, np.int32), page_table=pages,
                    temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32),
                    top_p=np.ones(batch, np.float32), seeds=np.arange(batch, dtype=np.uint32),
-                   steps=np.zeros(batch, np.int32))
+                   steps=np.zeros(batch, np.int32), targets=np.full((batch, chunk), -1, np.int32),
+                   want_logprobs=np.zeros(batch, bool), want_prompt=np.zeros(batch, bool))
     return {"params": params, "pool": pool, "batch": b}
 
 
@@ -60,7 +61,7 @@ def profile_point(cfg: ModelConfig, batch: int, chunk: int, *, steps: int = 5, t
 
     def run() -> float:
         t0 = time.perf_counter()
-        first, state["pool"] = step(s["params"], state["pool"], s["batch"])
+        first, state["pool"], _, _ = step(s["params"], state["pool"], s["batch"])
         first.block_until_ready()
         return (time.perf_counter() - t0) * 1e3
 

@@ -143,7 +143,8 @@ def decode_batch(mesh, b: int, width: int) -> DecodeBatch:
     a = functools.partial(_rep, mesh)
     return DecodeBatch(tokens=a((b,), "int32"), positions=a((b,), "int32"), page_table=a((b, width), "int32"),
                        active=a((b,), "bool"), temperature=a((b,), "float32"), top_k=a((b,), "int32"),
-                       top_p=a((b,), "float32"), seeds=a((b,), "uint32"), steps=a((b,), "int32"))
+                       top_p=a((b,), "float32"), seeds=a((b,), "uint32"), steps=a((b,), "int32"),
+                       want_logprobs=a((b,), "bool"))
 
 
 def chunk_batch(mesh, b: int, c: int, width: int) -> ChunkBatch:
@@ -151,7 +152,8 @@ def chunk_batch(mesh, b: int, c: int, width: int) -> ChunkBatch:
     return ChunkBatch(tokens=a((b, c), "int32"), positions=a((b, c), "int32"), valid=a((b, c), "bool"),
                       lengths=a((b,), "int32"), last=a((b,), "int32"), page_table=a((b, width), "int32"),
                       temperature=a((b,), "float32"), top_k=a((b,), "int32"), top_p=a((b,), "float32"),
-                      seeds=a((b,), "uint32"), steps=a((b,), "int32"))
+                      seeds=a((b,), "uint32"), steps=a((b,), "int32"), targets=a((b, c), "int32"),
+                      want_logprobs=a((b,), "bool"), want_prompt=a((b,), "bool"))
 
 
 # ---- bytes per chip ----------------------------------------------------------------------------------------------

@@ -63,6 +63,13 @@ class ByteTokenizer:
         """Fast path for long text: u8 bytes widened to i32[len]."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def is_special(self, t: int) -> bool:
+        return not 0 <= t < NUM_BYTES
+
+    def token_bytes(self, t: int) -> bytes:
+        """Token ``t``'s bytes: its byte, or a special token's name in UTF-8."""
+        return bytes([t]) if 0 <= t < NUM_BYTES else self.decode([t]).encode("utf-8")
+
     def decode(self, ids, skip_special: bool = False) -> str:
         """ids (any int sequence) -> text. Each run of bytes between special tokens is decoded as UTF-8 on its
         own (invalid sequences become U+FFFD); skipped specials (``skip_special``) leave the bytes around them one

@@ -4,10 +4,11 @@ For every row ``b`` it feeds ``tokens[b]`` at ``positions[b]``, writes that toke
 attends over the row's paged cache (FP8 pages dequantized inside the attention kernel), runs the decode weight
 representation through the MoE layers, and samples the next token::
 
-    step(params, pool, batch) -> (next_tokens i32[B], pool', finite bool[B] | None)
+    step(params, pool, batch) -> (next_tokens i32[B], pool', finite bool[B] | None, logprobs)
 
 It is the model's one decode step (``transformer.decode_step``) with the paged cache's per-layer attention
-(:class:`~phaseserve.cache.attend.PagedAttend`), followed by sampling.
+(:class:`~phaseserve.cache.attend.PagedAttend`), followed by sampling; the sampled tokens' logprobs and top
+alternatives (:func:`~phaseserve.engine.sampling.token_logprobs`) are computed only when a row wants them.
 
 Integrity: the step takes the tracker's ``ok bool[B]`` mask (computed by the tracker's separate jitted check
 just before) and consumes it on device: failing rows' page tables point at the null page, they write nothing
@@ -26,7 +27,7 @@ from flax import struct
 from phaseserve.cache.attend import PagedAttend
 from phaseserve.cache.paged import PagePool
 from phaseserve.config import ModelConfig
-from phaseserve.engine.sampling import sample
+from phaseserve.engine.sampling import sample, token_logprobs
 from phaseserve.model import transformer
 from phaseserve.model.layers import softmax_scale
 from phaseserve.model.params import Params
@@ -45,6 +46,7 @@ class DecodeBatch:
     top_p: jax.Array  # f32[B]
     seeds: jax.Array  # u32[B]
     steps: jax.Array  # i32[B] index of the token being sampled in the request's output
+    want_logprobs: jax.Array  # bool[B] the row wants the sampled token's logprobs
 
 
 def decode_logits(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
@@ -65,9 +67,13 @@ def decode_logits(params: Params, cfg: ModelConfig, pool: PagePool, batch: Decod
 
 
 def decode_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
-                tracker: Any = None, attn_impl: str = "auto") -> tuple[jax.Array, PagePool, Any]:
-    """One decode step for the batch. ``ok`` bool[B] from the tracker's check (None when disabled)."""
+                tracker: Any = None, attn_impl: str = "auto", top: int = 1
+                ) -> tuple[jax.Array, PagePool, Any, tuple[jax.Array, ...]]:
+    """One decode step for the batch. ``ok`` bool[B] from the tracker's check (None when disabled). Returns (next
+    i32[B], pool', finite, the sampled tokens' logprobs ``(f32[B], f32[B, top], i32[B, top])``, zeros where no
+    row asked)."""
     logits, pool, finite = decode_logits(params, cfg, pool, batch, ok, tracker=tracker, attn_impl=attn_impl)
     with jax.named_scope("sampling"):
         nxt = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-    return nxt, pool, finite
+        lps = token_logprobs(logits, nxt, batch.want_logprobs, top)
+    return nxt, pool, finite, lps

@@ -53,6 +53,7 @@ from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_p
 from phaseserve.engine.request import (
     CancelledError,
     Limits,
+    Logprob,
     Request,
     RequestOutput,
     nonfinite_logits,
@@ -60,7 +61,14 @@ from phaseserve.engine.request import (
 )
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
-from phaseserve.engine.workers import DecodeWorker, PrefillWorker, cache_pages, prefill_pages, stop_reason
+from phaseserve.engine.workers import (
+    DecodeWorker,
+    PrefillWorker,
+    cache_pages,
+    logprob_at,
+    prefill_pages,
+    stop_reason,
+)
 from phaseserve.model.params import Params
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
@@ -229,14 +237,16 @@ class Engine:
             if self._seqs.get(s.id) is s:
                 self._finish(s, "error", err)
 
-    def _emit(self, seq: Sequence, token: int, events: list) -> None:
-        """Append a generated token, record timing, finish on stop / length (on non-finite logits: an error, and
-        nothing appended)."""
+    def _emit(self, seq: Sequence, token: int, events: list, logprob: Logprob | None = None) -> None:
+        """Append a generated token (and its logprob, when the request asked), record timing, finish on stop /
+        length (on non-finite logits: an error, and nothing appended)."""
         out = seq.output
         if token == NONFINITE_TOKEN:
             self._finish(seq, "error", nonfinite_logits(seq.id, len(out.tokens)))
             return
         seq.tokens.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(logprob)
         out.tokens.append(token)
         now = time.perf_counter()
         if out.metrics.first_token is None:
@@ -323,7 +333,7 @@ class Engine:
         if not group:
             return
         try:
-            first = self.prefill.run(group)
+            first, gen, prompt = self.prefill.run(group)
         except Exception as e:
             if self._device_failure([c.seq for c in group], e):
                 half = len(group) // 2
@@ -333,18 +343,32 @@ class Engine:
         self.metrics.prefill_batches += 1
         self.metrics.prefill_tokens += sum(c.n for c in group)
         done = []
-        for c, tok in zip(group, first, strict=True):
+        for i, (c, tok) in enumerate(zip(group, first, strict=True)):
             c.seq.computed += c.n
-            if c.ends_prompt:
-                done.append((c.seq, int(tok)))
+            if prompt is not None and c.seq.output.prompt_logprobs is not None:
+                self._record_prompt_logprobs(c, prompt, i)
+            if c.ends_prompt and c.seq.request.max_tokens == 0:  # scoring only: nothing is generated
+                self._finish(c.seq, "length")
+            elif c.ends_prompt:
+                done.append((c.seq, int(tok), logprob_at(gen, (i,), int(tok), c.seq.request.logprobs)))
         if done:
             self._hand_off(done, events)
 
-    def _hand_off(self, done: list[tuple[Sequence, int]], events: list) -> None:
+    @staticmethod
+    def _record_prompt_logprobs(c: Chunk, arrays: tuple, row: int) -> None:
+        """The logprobs of the prompt tokens this chunk's positions predict (position p predicts token p + 1),
+        each recorded once (a prompt re-prefilled after a preemption keeps its first values)."""
+        out, n_top = c.seq.output.prompt_logprobs, c.seq.request.prompt_logprobs
+        for j in range(c.n):
+            t = c.start + j + 1
+            if t < len(out) and out[t] is None:
+                out[t] = logprob_at(arrays, (row, j), c.seq.tokens[t], n_top)
+
+    def _hand_off(self, done: list[tuple[Sequence, int, Logprob | None]], events: list) -> None:
         """The finished prompts' pages (past any shared prefix) to decode, in one payload of whole pages; then their
         prefill pages are freed, their prompt pages registered for prefix hits and their first tokens emitted. If the
         handoff raises, it is retried per request."""
-        seqs = [s for s, _ in done]
+        seqs = [s for s, _, _ in done]
         try:
             src = [p for s in seqs for p in self.prefill.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
             dst = [p for s in seqs for p in self.tables.owned(s.id)[s.shared_pages: self._prompt_pages(s)]]
@@ -355,7 +379,7 @@ class Engine:
                 for d in done:
                     self._hand_off([d], events)
             return
-        for s, tok in done:
+        for s, tok, lp in done:
             if tok == NONFINITE_TOKEN:  # the KV it computed may hold NaN: its private pages in both pools (not a
                 # shared prefix it reused) are zeroed before they are freed
                 self.prefill.scrub(self.prefill.tables.owned(s.id))
@@ -363,7 +387,7 @@ class Engine:
             self.scheduler.prefilled(s)
             self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
-                self._emit(s, tok, events)
+                self._emit(s, tok, events, lp)
 
     def _prompt_pages(self, seq: Sequence) -> int:
         return -(-seq.num_prompt // self.serve.cache.page_size)
@@ -399,7 +423,7 @@ class Engine:
         try:
             for hook in self.fault_hooks:
                 hook(self, rows)
-            nxt, failures, device_s = self.decode.step(rows)
+            nxt, failures, device_s, lps = self.decode.step(rows)
         except Exception as e:
             if not self._device_failure(rows, e):
                 return 0.0
@@ -412,7 +436,7 @@ class Engine:
             if err is not None:
                 self._finish(s, "aborted", err)
             else:
-                self._emit(s, int(nxt[i]), events)
+                self._emit(s, int(nxt[i]), events, logprob_at(lps, (i,), int(nxt[i]), s.request.logprobs))
         self.metrics.decode_tokens += len(rows) - len(failures)
         return device_s
 

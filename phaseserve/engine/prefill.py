@@ -9,12 +9,16 @@ with the memory-linear flash prefill, over every key the request has written so 
     row b:  pages of the prefill pool  [ p0 | p1 | p2 | ... ]   keys 0 .. start_b - 1 already written
             chunk tokens at positions   start_b .. start_b + n_b - 1   (written, then attended over with the rest)
 
-    step(params, pool, batch) -> (sampled token i32[B] at each row's last chunk token, pool')
+    step(params, pool, batch) -> (sampled token i32[B] at each row's last chunk token, pool',
+                                  its logprobs (rows with want_logprobs), every position's (rows with want_prompt))
 
-A row whose chunk ends its prompt samples its first output token here. The unchunked prefill is the one-chunk case
-of the same step; prefix hits start at ``start_b > 0`` with the cached prefix copied into the row's first pages.
-The finished prompt's pages leave the prefill mesh through :mod:`phaseserve.engine.handoff` (quantized there to the
-decode cache's storage dtype, e.g. FP8).
+A row whose chunk ends its prompt samples its first output token here. Log-probabilities
+(:func:`~phaseserve.engine.sampling.token_logprobs`) are computed only when a row of the batch asks: the sampled
+token's (``want_logprobs``) and, for prompt scoring (``want_prompt``), every chunk position's logprob of the token
+that follows it (``targets``), the lm head then run over every position. The unchunked prefill is the one-chunk
+case of the same step; prefix hits start at ``start_b > 0`` with the cached prefix copied into the row's first
+pages. The finished prompt's pages leave the prefill mesh through :mod:`phaseserve.engine.handoff` (quantized
+there to the decode cache's storage dtype, e.g. FP8).
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from phaseserve.cache.paged import PagePool, gather_layer, quantize_kv, write_layer
 from phaseserve.config import ModelConfig
-from phaseserve.engine.sampling import sample
+from phaseserve.engine.sampling import sample, token_logprobs
 from phaseserve.model.params import Params
-from phaseserve.model.transformer import prefill
+from phaseserve.model.transformer import logits_from_hidden, prefill_hidden
 
 
 @struct.dataclass
@@ -46,6 +51,9 @@ class ChunkBatch:
     top_p: jax.Array  # f32[B]
     seeds: jax.Array  # u32[B]
     steps: jax.Array  # i32[B] index of the sampled token in the request's output
+    targets: jax.Array  # i32[B, C] the token after each chunk position (prompt scoring; -1 where none)
+    want_logprobs: jax.Array  # bool[B] the row wants its sampled token's logprobs
+    want_prompt: jax.Array  # bool[B] the row wants every position's logprob of its target
 
 
 class PoolContext:
@@ -65,13 +73,22 @@ class PoolContext:
             return gather_layer(self.layers[i], b.page_table, self.dtype)
 
 
-def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBatch) -> tuple[jax.Array, PagePool]:
-    """One chunk per row (see the module docstring): (sampled i32[B], the prefill pool with the chunks written)."""
+def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBatch, top: int = 1
+               ) -> tuple[jax.Array, PagePool, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """One chunk per row (see the module docstring): (sampled i32[B], the prefill pool with the chunks written,
+    the sampled tokens' logprobs ``(f32[B], f32[B, top], i32[B, top])``, every position's logprob of its target
+    ``(f32[B, C], f32[B, C, top], i32[B, C, top])``); logprobs read zeros where no row asked."""
     ctx = PoolContext(pool, batch, params.embed.dtype)
-    logits, _ = prefill(params, cfg, batch.tokens, batch.lengths, batch.positions, logits_at=batch.last, context=ctx)
+    x, _ = prefill_hidden(params, cfg, batch.tokens, batch.lengths, batch.positions, context=ctx)
+    logits = logits_from_hidden(params, cfg, jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0])
     with jax.named_scope("sampling"):
         first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-    return first, pool.replace(layers=tuple(ctx.layers))
+        gen = token_logprobs(logits, first, batch.want_logprobs, top)
+    with jax.named_scope("prompt_logprobs"):
+        scored = batch.want_prompt[:, None] & batch.valid
+        prompt = token_logprobs(lambda: logits_from_hidden(params, cfg, x), batch.targets, scored, top)
+    return first, pool.replace(layers=tuple(ctx.layers)), gen, prompt
+
 
 
 def quantize_layer_kv(kv: Any, kv_dtype, compute_dtype) -> list[tuple[jax.Array, jax.Array | None]]:

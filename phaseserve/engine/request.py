@@ -9,7 +9,14 @@ are integers (numpy integers accepted, ``bool`` refused) inside the vocabulary; 
 ``max_position_embeddings``, further capped by the pages one sequence may hold); ``temperature >= 0`` and ``0 <
 top_p <= 1`` are finite floats; ``0 <= top_k < 2**31``; ``0 <= seed < 2**32`` (None: a fresh random seed, drawn here
 and reported in ``RequestOutput.seed``); ``tenant`` is a UTF-8-encodable
-``str``; the id is a ``str``.
+``str``; the id is a ``str``; ``logprobs`` / ``prompt_logprobs`` are None (off) or in ``[0, MAX_LOGPROBS]``;
+``max_tokens == 0`` only with ``prompt_logprobs`` (scoring a prompt, nothing generated).
+
+Log-probabilities (:class:`Logprob`) are those of the model's distribution (``log_softmax`` of the raw logits,
+before temperature, top-k or top-p), as vLLM reports by default and as scoring (lm-eval's loglikelihood) needs:
+``RequestOutput.logprobs`` holds one per generated token when ``Request.logprobs`` is set, and
+``RequestOutput.prompt_logprobs`` one per prompt token when ``Request.prompt_logprobs`` is set (None for the first
+token, which nothing predicts) -- vLLM's ``logprobs`` and ``prompt_logprobs`` sampling parameters.
 """
 
 from __future__ import annotations
@@ -68,6 +75,19 @@ def nonfinite_logits(request_id: str, num_generated: int) -> NonFiniteLogitsErro
                                 f"overflow in the model); nothing was emitted for it")
 
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's top_logprobs bound)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the model and the ``len(top)`` most likely tokens at its position
+    (``(token id, logprob)``, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 FINISH_REASONS = ("length", "stop", "aborted", "error")  # the only values ``RequestOutput.finish_reason`` takes
 
 
@@ -85,6 +105,8 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: do not stop at the model's eos token ids
     tenant: str = ""  # salt of the prefix-cache hash chain: one tenant's prefix is never another's hit
+    logprobs: int | None = None  # generated tokens' logprobs with this many top alternatives (None: off)
+    prompt_logprobs: int | None = None  # prompt tokens' logprobs likewise (None: off; the prompt skips prefix hits)
 
     def replace(self, **kw) -> Request:
         return dataclasses.replace(self, **kw)
@@ -128,6 +150,8 @@ class RequestOutput:
     error: Exception | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seed: int | None = None  # the sampling seed the request ran with (drawn when it gave none)
+    logprobs: list[Logprob] | None = None  # per generated token (Request.logprobs set)
+    prompt_logprobs: list[Logprob | None] | None = None  # per prompt token, None for the first (prompt_logprobs set)
 
     @property
     def finished(self) -> bool:
@@ -231,7 +255,8 @@ def validate(req: Any, limits: Limits) -> Request:
     prompt = _token_ids(rid, "prompt", req.prompt, limits.vocab_size)
     if not prompt:
         raise EmptyPromptError(f"request {rid!r}: empty prompt")
-    max_tokens = _integer(rid, "max_tokens", req.max_tokens, 1, None)
+    scoring = req.prompt_logprobs is not None
+    max_tokens = _integer(rid, "max_tokens", req.max_tokens, 0 if scoring else 1, None)
     if len(prompt) >= limits.max_context:
         raise PromptTooLongError(f"request {rid!r}: prompt of {len(prompt)} tokens does not fit the context of "
                                  f"{limits.max_context}")
@@ -253,8 +278,10 @@ def validate(req: Any, limits: Limits) -> Request:
         raise InvalidParameterError(f"request {rid!r}: tenant is not encodable as UTF-8 ({e.reason})") from None
     if not isinstance(req.ignore_eos, bool | np.bool_):
         raise InvalidParameterError(f"request {rid!r}: ignore_eos must be a bool, got {type(req.ignore_eos).__name__}")
+    lps = {k: None if getattr(req, k) is None else _integer(rid, k, getattr(req, k), 0, MAX_LOGPROBS)
+           for k in ("logprobs", "prompt_logprobs")}
     return req.replace(
-        prompt=prompt, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos),
+        prompt=prompt, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), **lps,
         temperature=_real(rid, "temperature", req.temperature, lambda v: v >= 0, ">= 0"),
         top_p=_real(rid, "top_p", req.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
         top_k=_integer(rid, "top_k", req.top_k, 0, I32_MAX),
@@ -280,4 +307,8 @@ def open_request(req: Any, limits: Limits, in_flight: Any) -> tuple[Request | No
         return None, out
     out.metrics.num_prompt_tokens = len(req.prompt)
     out.seed = req.seed
+    if req.logprobs is not None:
+        out.logprobs = []
+    if req.prompt_logprobs is not None:
+        out.prompt_logprobs = [None] * len(req.prompt)
     return req, out

@@ -12,6 +12,8 @@ with :class:`~phaseserve.engine.request.NonFiniteLogitsError` and emits nothing 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -47,3 +49,25 @@ def _draw(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: ja
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
     return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array | Callable[[], jax.Array], tokens: jax.Array, want: jax.Array, k: int
+                   ) -> tuple[jax.Array, ...]:
+    """Log-probabilities under the model (``log_softmax`` of the raw logits) for rows that ``want`` them, computed
+    only when one does (a ``lax.cond``: no cost otherwise; rows that do not want them read zeros).
+
+    logits f32[..., V], or a function that computes them (called inside the branch: e.g. the lm head over every
+    prompt position, run only when asked); tokens i32[...] (the token whose logprob is asked; a negative id reads
+    0); want bool[...] -> (logprob f32[...], top logprobs f32[..., k], top ids i32[..., k]), most likely first."""
+    shape = tokens.shape
+
+    def compute():
+        lsm = jax.nn.log_softmax((logits() if callable(logits) else logits).astype(jnp.float32), axis=-1)
+        lp = jnp.take_along_axis(lsm, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+        top_lp, top_ids = jax.lax.top_k(lsm, k)
+        return jnp.where(tokens >= 0, lp, 0.0), top_lp, top_ids.astype(jnp.int32)
+
+    def zeros():
+        return (jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, k), jnp.float32), jnp.zeros((*shape, k), jnp.int32))
+
+    return jax.lax.cond(jnp.any(want), compute, zeros)

@@ -172,6 +172,8 @@ class Scheduler:
         """(pages of ``seq``'s prompt found in the prefix cache, whether the next page is being computed now)."""
         if not self.prefix_caching or seq.swap is not None:  # a swapped-out request brings its own KV back
             return [], False
+        if seq.request.prompt_logprobs is not None and seq.output.prompt_logprobs[-1] is None:
+            return [], False  # scoring the prompt: every position's logits are computed, none taken from the cache
         cap = (seq.num_prompt - 1) // self.page_size  # full pages only, and one prompt token is always computed
         hashes = self._hashes(seq)[:cap]
         hits = []

@@ -33,7 +33,7 @@ from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, ca
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
-from phaseserve.engine.request import Request
+from phaseserve.engine.request import MAX_LOGPROBS, Logprob, Request
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Sequence
 from phaseserve.sharding import pool_shardings, replicated, sharded_step
@@ -86,34 +86,52 @@ def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int
 def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
     """Per-row sampling parameters for ``seqs`` padded to ``b`` rows (padding rows are greedy)."""
     temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-    seeds, steps = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+    seeds, steps, want = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, bool)
     for i, s in enumerate(seqs):
         r = s.request
         temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps)
+        want[i] = r.logprobs is not None
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, want_logprobs=want)
+
+
+def top_logprobs_k(cfg: ModelConfig) -> int:
+    """The number of top alternatives the jitted steps compute per token (a request slices its own)."""
+    return min(MAX_LOGPROBS, cfg.vocab_size)
+
+
+def logprob_at(arrays: tuple[np.ndarray, ...] | None, index: tuple, token: int, n_top: int | None) -> Logprob | None:
+    """The :class:`Logprob` at ``index`` of a step's host logprob arrays ``(logprob, top logprobs, top ids)``, with
+    ``n_top`` alternatives; None when the request did not ask (``n_top`` None) or the step computed none."""
+    if arrays is None or n_top is None:
+        return None
+    lp, top_lp, top_ids = arrays
+    top = tuple((int(t), float(v)) for t, v in zip(top_ids[index][:n_top], top_lp[index][:n_top], strict=True))
+    return Logprob(int(token), float(lp[index]), top)
 
 
 def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, matmul_impl: str = "auto",
                    attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The prefill worker's jitted chunk step on ``mesh`` (pool donated): ``(params, pool, ChunkBatch) -> (first
-    i32[B] replicated, pool')``. Built from shardings only, so it also lowers for abstract arguments on a deviceless
-    mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
-    return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b), cfg, mesh, phase="prefill",
+    i32[B] replicated, pool', sampled tokens' logprobs, prompt positions' logprobs)``
+    (:func:`~phaseserve.engine.prefill.chunk_step`). Built from shardings only, so it also lowers for abstract
+    arguments on a deviceless mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
+    rep, top = replicated(mesh), top_logprobs_k(cfg)
+    return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b, top), cfg, mesh, phase="prefill",
                                 matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
-                   out_shardings=(replicated(mesh), pool_sharding), donate_argnums=(1,))
+                   out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
 
 
 def decode_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, hooks: Any = None,
                     matmul_impl: str = "auto", attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The decode worker's jitted step on ``mesh`` (pool donated): ``(params, pool, DecodeBatch, ok bool[B] | None)
-    -> (next i32[B], pool', finite bool[B] | None)``; ``hooks``: the integrity tracker (its hooks are static
+    -> (next i32[B], pool', finite bool[B] | None, logprobs)``; ``hooks``: the integrity tracker (its hooks are static
     methods, so the class :class:`~phaseserve.cache.integrity.IntegrityTracker` itself serves for tracing) or None.
     Built from shardings only, like :func:`chunk_step_jit`."""
-    rep = replicated(mesh)
+    rep, top = replicated(mesh), top_logprobs_k(cfg)
     return jax.jit(sharded_step(
-        lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl), cfg, mesh,
-        phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
-        out_shardings=(rep, pool_sharding, rep), donate_argnums=(1,))
+        lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl, top=top), cfg,
+        mesh, phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
+        out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
 
 
 def scrub_pages(worker: Any, pages: list[int]) -> None:
@@ -169,23 +187,34 @@ class PrefillWorker:
             cur.append(ch)
         return groups + ([cur] if cur else [])
 
-    def run(self, group: list[Chunk]) -> np.ndarray:
+    def run(self, group: list[Chunk]) -> tuple[np.ndarray, tuple | None, tuple | None]:
         """One chunk step for ``group`` (each request's pages already allocated): the token sampled at each chunk's
-        last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt)."""
+        last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt);
+        the host logprob arrays of those tokens and of every chunk position's next prompt token (``(logprob, top
+        logprobs, top ids)`` indexed ``[row]`` and ``[row, j]``), each None unless a row of the group asked."""
         b, c = bucket(len(group)), bucket(max(ch.n for ch in group), 16)
         need = max(-(-(ch.start + ch.n) // self.page_size) for ch in group)
         pt, _, _ = self.tables.batch([ch.id for ch in group], pad_to=b)
         pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
         tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
         valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        targets, want_prompt = np.full((b, c), -1, np.int32), np.zeros(b, bool)
         for i, ch in enumerate(group):
             tokens[i, : ch.n] = ch.seq.tokens[ch.start: ch.start + ch.n]
             positions[i] += ch.start
             valid[i, : ch.n], lengths[i], last[i] = True, ch.start + ch.n, ch.n - 1
+            n_prompt = len(ch.seq.request.prompt)  # the user's prompt (not tokens re-prefilled after a preemption)
+            if ch.seq.request.prompt_logprobs is not None and ch.start < n_prompt - 1:
+                end = min(ch.start + ch.n + 1, n_prompt)
+                targets[i, : end - ch.start - 1] = ch.seq.tokens[ch.start + 1: end]
+                want_prompt[i] = True
+        rows = sampling_rows([ch.seq for ch in group], b)
         batch = ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last,
-                           page_table=pt, **sampling_rows([ch.seq for ch in group], b))
-        first, self.pool = self._chunk(self.params, self.pool, batch)
-        return np.asarray(first)[: len(group)]
+                           page_table=pt, targets=targets, want_prompt=want_prompt, **rows)
+        first, self.pool, gen, prompt = self._chunk(self.params, self.pool, batch)
+        gen = jax.device_get(gen) if rows["want_logprobs"].any() else None
+        prompt = jax.device_get(prompt) if want_prompt.any() else None
+        return np.asarray(first)[: len(group)], gen, prompt
 
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
@@ -287,8 +316,9 @@ class DecodeWorker:
         """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
         return export_paged(self._export, self.pool, pages, dtype)
 
-    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float]:
-        """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds)."""
+    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
+        """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds, the tokens'
+        host logprob arrays ``(logprob, top logprobs, top ids)`` indexed by row, None unless a row asked)."""
         b, ids = bucket(len(rows)), [s.id for s in rows]
         pt, expected, live = self.tables.batch(ids, pad_to=b)
         width = min(width_bucket(int(live.max(initial=1))), pt.shape[1])  # as wide as the rows' pages (bucketed)
@@ -296,12 +326,13 @@ class DecodeWorker:
         tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
         for i, s in enumerate(rows):
             tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
-        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active,
-                            **sampling_rows(rows, b))
+        sampling = sampling_rows(rows, b)
+        batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active, **sampling)
         t0 = time.perf_counter()
         ok = self.tracker.check(pt, expected, live)
-        nxt, self.pool, finite = self._decode(self.params, self.pool, batch, ok)
-        nxt, ok_h, finite_h = jax.device_get((nxt, ok, finite))
+        nxt, self.pool, finite, lps = self._decode(self.params, self.pool, batch, ok)
+        lps = lps if sampling["want_logprobs"].any() else None
+        nxt, ok_h, finite_h, lps = jax.device_get((nxt, ok, finite, lps))
         device_s = time.perf_counter() - t0
         failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
         scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in self.tables.owned(rid)]
@@ -309,4 +340,4 @@ class DecodeWorker:
         scrub += [self.tables.owned(s.id)[s.next_position // self.page_size]
                   for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_TOKEN]
         self.scrub(scrub)  # before any release: these pages go back to the free queue clean
-        return np.asarray(nxt[: len(rows)]), failures, device_s
+        return np.asarray(nxt[: len(rows)]), failures, device_s, lps

@@ -93,10 +93,19 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Ar
     kv over [B, S, ...]``: it stores the chunk's KV with the request's and returns every key the chunk may attend to
     (key s at position s); ``lengths`` then counts those keys (cached + this chunk's valid tokens).
     """
-    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, auto_experts, context)
+    x, kvs = prefill_hidden(params, cfg, tokens, lengths, positions, context)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, cfg, x), kvs
+
+
+def prefill_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array | None = None,
+                   positions: jax.Array | None = None, context: Context | None = None) -> tuple[jax.Array, list[Any]]:
+    """:func:`prefill` before the lm head: (final hidden states [B, T, D], per-layer KV); the logits of any position
+    are ``logits_from_hidden`` of its row (the engine's chunk step takes the last token's, and every position's
+    only when a request asks for its prompt's logprobs)."""
+    x, kvs, _ = _stack(params, cfg, tokens, lengths, positions, auto_experts, context)
+    return x, kvs
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

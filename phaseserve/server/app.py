@@ -45,6 +45,7 @@ from phaseserve.engine import Request, RequestError, RequestOutput
 from phaseserve.engine.replicas import request_load
 from phaseserve.engine.request import validate
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
+from phaseserve.server.logprobs import chat_logprobs, completion_logprobs
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
@@ -228,23 +229,40 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
             raise ApiError(400, f"PromptTooLongError: prompt of {n} tokens does not fit the context of "
                                 f"{limits.max_context}", param="prompt", code="context_length_exceeded")
 
-    async def new_request(prompt: list[int], body: Any, max_tokens: int, http: HttpRequest) -> Request:
-        """The engine request, validated here (in a worker thread, not the engine loop's): a bad one is a 400
-        before it reaches the loop. Its prefix-cache tenant is the authenticated caller's, narrowed by ``user``."""
+    async def new_request(prompt: list[int], body: Any, max_tokens: int, http: HttpRequest, choice: int = 0,
+                          **extra: Any) -> Request:
+        """The engine request for choice ``choice`` (its seed: ``seed + choice``, or a fresh one), validated here
+        (in a worker thread, not the engine loop's): a bad one is a 400 before it reaches the loop. Its prefix-cache
+        tenant is the authenticated caller's, narrowed by ``user``; ``extra``: more :class:`Request` fields."""
         fits(len(prompt))
-        req = Request(id=f"{id_prefix}{next(ids):08x}", prompt=prompt, **body.sampling(max_tokens),
-                      tenant=cache_tenant(getattr(http.state, "tenant", ""), body.user))
+        req = Request(id=f"{id_prefix}{next(ids):08x}", prompt=prompt, **body.sampling(max_tokens, choice),
+                      tenant=cache_tenant(getattr(http.state, "tenant", ""), body.user), **extra)
         try:
             return await asyncio.to_thread(validate, req, limits)
         except RequestError as e:
             raise ApiError(400, f"{type(e).__name__}: {e}") from None
 
-    async def run_to_end(gen: Generation, http: HttpRequest) -> str:
-        """All the text of a non-streamed request; the request is cancelled if the client goes away."""
-        async def collect() -> str:
+    async def open_all(specs: list[tuple[Request, TextStream]]) -> list[Generation]:
+        """Submit every choice's request and wait for each to start; if one is refused, all are closed."""
+        gens: list[Generation] = []
+        try:
+            for req, text in specs:
+                gens.append(Generation(state["balancer"], req, text))
+            for g in gens:
+                await g.start()
+        except BaseException:
+            for g in gens:
+                g.close()
+            raise
+        return gens
+
+    async def run_all(gens: list[Generation], http: HttpRequest) -> list[str]:
+        """All the text of each non-streamed choice; every request is cancelled if the client goes away (or one
+        fails)."""
+        async def collect(gen: Generation) -> str:
             return "".join([d async for d, _ in gen.deltas()])
 
-        task = asyncio.ensure_future(collect())
+        task = asyncio.ensure_future(asyncio.gather(*map(collect, gens)))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -254,24 +272,58 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
                     task.cancel()
                     raise ApiError(499, "client disconnected", "client_closed")
         finally:
-            gen.close()
+            for g in gens:
+                g.close()
 
-    def sse(batches: AsyncIterator[str], gen: Generation) -> EventStream:
+    async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, str, bool]]:
+        """``(choice index, text delta, final)`` of every choice as they come (one choice: its own order)."""
+        if len(gens) == 1:
+            async for d, final in gens[0].deltas():
+                yield 0, d, final
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, g: Generation) -> None:
+            try:
+                async for d, final in g.deltas():
+                    queue.put_nowait((i, d, final, None))
+            except ApiError as e:
+                queue.put_nowait((i, "", True, e))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            left = len(gens)
+            while left:
+                i, d, final, err = await queue.get()
+                if err is not None:
+                    raise err
+                left -= final
+                yield i, d, final
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def sse(batches: AsyncIterator[str], gens: list[Generation]) -> EventStream:
         """Server-sent events: one write per batch of events (an update's, and ``[DONE]`` with the last)."""
         async def body():
             done = False
             try:
                 async for text in batches:
-                    done = gen.output is not None
+                    done = all(g.output is not None for g in gens)
                     yield text + DONE if done else text
             except ApiError as e:
                 yield event(e.body)
             finally:
-                gen.close()  # a disconnect (or any early end) frees the request's pages now
+                for g in gens:
+                    g.close()  # a disconnect (or any early end) frees the requests' pages now
             if not done:
                 yield DONE
 
         return EventStream(body())
+
+    def total_usage(gens: list[Generation], n: int) -> dict:
+        """Usage over the choices: each prompt counted once (``n`` choices share it)."""
+        return usage(sum(len(g.req.prompt) for g in gens[::n]), sum(len(g.text.ids) for g in gens))
 
     # ---- endpoints --------------------------------------------------------------------------------------
     @app.get("/health")
@@ -299,38 +351,63 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
         check_model(body.model)
-        prompt = body.one_prompt
-        if isinstance(prompt, str):
-            fits(len(prompt))  # a byte-level tokenizer: at least one token per character
-            ids = await asyncio.to_thread(tokenizer.encode, prompt)
-        else:
-            ids = list(prompt)
-        req = await new_request(ids, body, body.max_tokens, http)
-        gen = Generation(state["balancer"], req, TextStream(tokenizer, body.stops))
-        rid, created = f"cmpl-{gen.req.id}", int(time.time())
+        prompts = []
+        for p in body.prompts:
+            if isinstance(p, str):
+                fits(len(p))  # a byte-level tokenizer: at least one token per character
+                prompts.append((await asyncio.to_thread(tokenizer.encode, p, bos=True), p))  # <bos>: as trained
+            else:
+                prompts.append((list(p), None))
+        scored = body.echo and body.logprobs is not None
+        extra = {"logprobs": body.logprobs,
+                 "prompt_logprobs": body.logprobs if scored else 0 if body.max_tokens == 0 else None}
+        specs = [(await new_request(ids, body, body.max_tokens, http, j, **extra), TextStream(tokenizer, body.stops))
+                 for ids, _ in prompts for j in range(body.n)]
+        gens = await open_all(specs)
+        rid, created = f"cmpl-{gens[0].req.id}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        await gen.start()
+        echoes = [(text if text is not None else tokenizer.decode(ids, skip_special=True)) if body.echo else ""
+                  for ids, text in prompts for _ in range(body.n)]
         if not body.stream:
-            text = await run_to_end(gen, http)
-            return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                         "finish_reason": gen.finish_reason}], "usage": gen.usage()}
+            texts = await run_all(gens, http)
+            return {**head, "choices": [completion_choice(i, g, echoes[i], texts[i], body)
+                                        for i, g in enumerate(gens)], "usage": total_usage(gens, body.n)}
 
         async def chunks():
             extra = {"usage": None} if body.include_usage else {}
 
-            def chunk(text: str, reason: str | None = None) -> dict:
-                return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
-                        **extra}
+            def chunk(i: int, text: str, reason: str | None = None) -> dict:
+                c = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                return {**head, "choices": [c | {"seed": gens[i].req.seed} if reason else c], **extra}
 
-            delta = Template(chunk(Template.SLOT))
-            async for d, final in gen.deltas():  # the last text delta carries the finish_reason
+            deltas = [Template(chunk(i, Template.SLOT)) for i in range(len(gens))]
+            first = set()
+            async for i, d, final in merged(gens):  # a choice's last text delta carries its finish_reason
+                if i not in first:
+                    first.add(i)
+                    d = echoes[i] + d
                 if not final:
-                    yield delta(d)
+                    yield deltas[i](d)
                     continue
-                last = event(chunk(d, gen.finish_reason))
-                yield last + event({**head, "choices": [], "usage": gen.usage()}) if body.include_usage else last
+                last = event(chunk(i, d, gens[i].finish_reason))
+                if body.include_usage and all(g.output is not None for g in gens):
+                    last += event({**head, "choices": [], "usage": total_usage(gens, body.n)})
+                yield last
 
-        return sse(chunks(), gen)
+        return sse(chunks(), gens)
+
+    def completion_choice(i: int, g: Generation, echo: str, text: str, body: CompletionRequest) -> dict:
+        """Choice ``i`` of a non-streamed completion: the echoed prompt and the text, the logprobs of their tokens
+        (the prompt's when echoed; the generated tokens' up to a stop string), the seed it ran with."""
+        lp = None
+        if body.logprobs is not None:
+            out, n = g.output, len(g.text.ids)
+            ids, entries = list(g.text.ids), list(out.logprobs[:n])
+            if body.echo:
+                ids, entries = g.req.prompt + ids, out.prompt_logprobs + entries
+            lp = completion_logprobs(tokenizer, ids, entries)
+        return {"index": i, "text": echo + text, "logprobs": lp, "finish_reason": g.finish_reason,
+                "seed": g.req.seed}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
@@ -339,49 +416,56 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         fits(sum(len(m.text) for m in body.messages))  # cheap first: characters are a lower bound on byte tokens
         prompt = await asyncio.to_thread(render_chat, body.messages, tokenizer) + forced
         budget = body.token_budget(max(limits.max_context - len(prompt), 1))
-        text = TextStream(tokenizer, body.stops, tools_on=body.tools_on, forced=forced)
-        gen = Generation(state["balancer"], await new_request(prompt, body, budget, http), text)
-        rid, created = f"chatcmpl-{gen.req.id}", int(time.time())
+        extra = {"logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+        specs = [(await new_request(prompt, body, budget, http, j, **extra),
+                  TextStream(tokenizer, body.stops, tools_on=body.tools_on, forced=forced)) for j in range(body.n)]
+        gens = await open_all(specs)
+        rid, created = f"chatcmpl-{gens[0].req.id}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
-        await gen.start()
         if not body.stream:
-            await run_to_end(gen, http)
-            content, calls = text.reply()
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            reason = "tool_calls" if calls else gen.finish_reason
-            return {**head, "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
-                    "usage": gen.usage()}
+            await run_all(gens, http)
+            return {**head, "choices": [chat_choice(i, g, body) for i, g in enumerate(gens)],
+                    "usage": total_usage(gens, body.n)}
 
         head["object"] = "chat.completion.chunk"
 
         async def chunks():
             extra = {"usage": None} if body.include_usage else {}
 
-            def chunk(delta: dict, reason: str | None = None) -> dict:
-                return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
-                        **extra}
+            def chunk(i: int, delta: dict, reason: str | None = None) -> dict:
+                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                return {**head, "choices": [c | {"seed": gens[i].req.seed} if reason else c], **extra}
 
-            content_event = Template(chunk({"content": Template.SLOT}))
-            batch = [chunk({"role": "assistant", "content": ""})]
-            async for d, final in gen.deltas():
-                if not final and not batch:
-                    yield content_event(d)
+            content_events = [Template(chunk(i, {"content": Template.SLOT})) for i in range(len(gens))]
+            pending = [[chunk(i, {"role": "assistant", "content": ""})] for i in range(len(gens))]
+            async for i, d, final in merged(gens):
+                if not final and not pending[i]:
+                    yield content_events[i](d)
                     continue
-                batch.append(chunk({"content": d}))
+                batch, pending[i] = pending[i] + [chunk(i, {"content": d})], []
                 if final:
+                    text = gens[i].text
                     content, calls = text.reply()
                     if calls:
-                        batch.append(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}))
+                        batch.append(chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}))
                     elif text.call_ids is not None:  # a call that did not parse comes back as text
-                        batch.append(chunk({"content": content[len(text.text):]}))
-                    batch.append(chunk({}, "tool_calls" if calls else gen.finish_reason))
-                    if body.include_usage:
-                        batch.append({**head, "choices": [], "usage": gen.usage()})
+                        batch.append(chunk(i, {"content": content[len(text.text):]}))
+                    batch.append(chunk(i, {}, "tool_calls" if calls else gens[i].finish_reason))
+                    if body.include_usage and all(g.output is not None for g in gens):
+                        batch.append({**head, "choices": [], "usage": total_usage(gens, body.n)})
                 yield "".join(map(event, batch))
-                batch = []
 
-        return sse(chunks(), gen)
+        return sse(chunks(), gens)
+
+    def chat_choice(i: int, g: Generation, body: ChatCompletionRequest) -> dict:
+        """Choice ``i`` of a non-streamed chat completion: the message (content, or tool calls), the generated
+        tokens' logprobs (up to a stop string), the seed it ran with."""
+        content, calls = g.text.reply()
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        lp = chat_logprobs(tokenizer, g.output.logprobs[:len(g.text.ids)]) if body.logprobs else None
+        return {"index": i, "message": message, "logprobs": lp,
+                "finish_reason": "tool_calls" if calls else g.finish_reason, "seed": g.req.seed}
 
     return app

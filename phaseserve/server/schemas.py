@@ -3,7 +3,7 @@
 Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`ChatCompletionRequest`
 (``POST /v1/chat/completions``). Unknown fields are ignored, as OpenAI's server does; an invalid value fails
 validation and becomes a 400 with an OpenAI-style body (:func:`error_body`). What the engine cannot do is refused
-here, by name, rather than silently ignored: ``n > 1``, ``best_of``, ``logprobs``, ``echo``, batched prompts.
+here, by name, rather than silently ignored (``best_of``, ``suffix``, ``logprobs`` with ``stream``, ...).
 
 Sampling fields map onto :class:`phaseserve.Request` (:meth:`SamplingFields.sampling`): ``temperature``,
 ``top_p``, ``top_k`` (vLLM's extension; ``-1`` or ``0`` disable it), ``seed``, ``max_tokens``
@@ -22,7 +22,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from phaseserve.engine.request import MAX_LOGPROBS
+
 U32 = 2**32
+MAX_CHOICES = 16  # n: choices per prompt
 I32_MAX = 2**31 - 1
 
 
@@ -63,7 +66,7 @@ class SamplingFields(_Lenient):
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # one engine request per choice (seed + j when seeded)
     ignore_eos: bool = False  # vLLM extension
     user: str | None = None
 
@@ -85,8 +88,6 @@ class SamplingFields(_Lenient):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported: send one request per choice")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -95,46 +96,51 @@ class SamplingFields(_Lenient):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments of :class:`phaseserve.Request` (besides id and prompt)."""
+    def sampling(self, max_tokens: int, choice: int = 0) -> dict[str, Any]:
+        """Keyword arguments of :class:`phaseserve.Request` (besides id and prompt) for choice ``choice`` of ``n``:
+        seeded, choice j runs with ``seed + j`` (mod 2**32); unseeded, the engine draws a fresh seed per choice."""
         return {"max_tokens": max_tokens, "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": max(self.top_k or 0, 0),
-                "seed": self.seed, "ignore_eos": self.ignore_eos}
+                "seed": None if self.seed is None else (self.seed + choice) % U32, "ignore_eos": self.ignore_eos}
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
 
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default for completions
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either (one choice per
+    prompt and ``n``, ``index = prompt * n + j``). ``echo`` prepends the prompt to each choice's text (and, with
+    ``logprobs``, its tokens' logprobs: the first token's is null); ``max_tokens=0`` with ``echo`` scores the prompt
+    without generating (lm-eval's loglikelihood requests)."""
+
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds],
+                                                                                   Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=0)] = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of > 1 is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+        if self.stream and self.logprobs is not None:
+            raise ValueError("logprobs with stream is not supported: send stream=false")
         return self
 
     @property
-    def one_prompt(self) -> str | list[int]:
-        """The prompt as a string or token ids (a one-element list of strings is its string)."""
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, a string or token ids."""
         p = self.prompt
-        return p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
 class FunctionDef(_Lenient):
@@ -213,12 +219,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _tools(self):
-        if self.logprobs:
-            raise ValueError("logprobs is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream and self.logprobs:
+            raise ValueError("logprobs with stream is not supported: send stream=false")
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")

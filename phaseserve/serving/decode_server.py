@@ -313,7 +313,7 @@ class DecodeServer:
         t0 = time.perf_counter()
         rows = list(self.running)
         try:
-            nxt, failures, _ = self.worker.step(rows)  # nonfinite rows' pages are scrubbed before it returns
+            nxt, failures, _, _ = self.worker.step(rows)  # nonfinite rows' pages are scrubbed before it returns
         except Exception as e:  # not narrowed here: this step's requests end, the server goes on
             self.stats["errors"] += len(rows)
             for s in rows:

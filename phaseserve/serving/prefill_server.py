@@ -175,7 +175,7 @@ class PrefillServer:
     def _prefill_group(self, group: list[Chunk]) -> None:
         """One chunk step; if it raises, each request again alone (only the failing ones fail)."""
         try:
-            first = self.worker.run(group)
+            first, _, _ = self.worker.run(group)  # logprobs: in-process engine only (Router refuses them)
         except Exception as e:
             if not self.worker.pool_ok():  # the donated pool is gone: every prompt in progress lost its KV
                 for rid in list(self.worker.tables.slot_of):

@@ -212,7 +212,8 @@ def test_noop_tracker_adds_nothing_to_the_decode_step(mla):
     batch = DecodeBatch(tokens=np.ones(b, np.int32), positions=np.arange(b, dtype=np.int32),
                         page_table=np.zeros((b, 16), np.int32), active=np.ones(b, bool),
                         temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-                        top_p=np.ones(b, np.float32), seeds=np.zeros(b, np.uint32), steps=np.zeros(b, np.int32))
+                        top_p=np.ones(b, np.float32), seeds=np.zeros(b, np.uint32), steps=np.zeros(b, np.int32),
+                        want_logprobs=np.zeros(b, bool))
     ok = eng.tracker.check(*eng.tables.batch([None] * b))
     assert ok is None  # no launch at all
 

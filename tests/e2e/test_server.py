@@ -102,7 +102,7 @@ def test_models_health_and_a_completion_with_usage(server):
     assert _http(server["port"], "GET", "/health") == (200, '{"status":"ok"}')
     prompt = "class Queue:\n    def __init__(self):\n        self."
     r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
-    ids = TOK.encode(prompt)
+    ids = TOK.encode(prompt, bos=True)  # a string prompt gets <bos>, as the model was trained
     assert r.object == "text_completion" and r.choices[0].finish_reason in ("length", "stop")
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -126,9 +126,8 @@ def test_streamed_deltas_equal_the_completion_and_the_engine_tokens(server):
     whole = c.completions.create(**kw)
     chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    # the prompt here has no <bos>, the reference had one: compare the stream with the completion, and both with
-    # the engine's tokens for this exact prompt, decoded
-    assert text == whole.choices[0].text
+    # a string prompt gets <bos> as the reference's token ids had it: the same greedy tokens
+    assert text == whole.choices[0].text == TOK.decode(ref[prompt], skip_special=True)
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == CONCURRENT_TOKENS
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) > 1  # really streamed, not one delta
     assert chunks[-2].choices[0].finish_reason == "length"  # the last delta carries it; then the usage chunk
@@ -236,11 +235,12 @@ BAD = [  # (what, endpoint, body): one per class of bad input
     ("temperature out of range", "completions", {"prompt": "hi", "temperature": 3.5}),
     ("top_p zero", "completions", {"prompt": "hi", "top_p": 0}),
     ("negative seed", "completions", {"prompt": "hi", "seed": -1}),
-    ("max_tokens zero", "completions", {"prompt": "hi", "max_tokens": 0}),
+    ("max_tokens negative", "completions", {"prompt": "hi", "max_tokens": -1}),
     ("wrong type", "completions", {"prompt": "hi", "max_tokens": "many"}),
     ("missing prompt", "completions", {}),
     ("empty prompt", "completions", {"prompt": ""}),
-    ("n > 1", "completions", {"prompt": "hi", "n": 2}),
+    ("n beyond 16", "completions", {"prompt": "hi", "n": 17}),
+    ("logprobs beyond 20", "completions", {"prompt": "hi", "logprobs": 21}),
     ("token outside the vocabulary", "completions", {"prompt": [1, 2, 99999]}),
     ("prompt + max_tokens beyond the context", "completions", {"prompt": "x" * 250, "max_tokens": 100}),
     ("empty messages", "chat/completions", {"messages": []}),

@@ -72,7 +72,7 @@ def _decode_step(eng: ps.Engine):
     batch = DecodeBatch(tokens=rng.integers(0, 256, B).astype(np.int32), positions=np.full(B, 5, np.int32),
                         page_table=rng.integers(1, 24, (B, PAGES)).astype(np.int32), active=np.ones(B, bool),
                         temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
-                        seeds=np.zeros(B, np.uint32), steps=np.zeros(B, np.int32))
+                        seeds=np.zeros(B, np.uint32), steps=np.zeros(B, np.int32), want_logprobs=np.zeros(B, bool))
     return eng.decode._decode, (_abstract(eng.decode_params), _abstract(eng.pool), batch, None)
 
 

@@ -117,7 +117,8 @@ def _batch(cfg, b, pages_per_row, num_pages, rng):
     return DecodeBatch(tokens=rng.integers(0, cfg.vocab_size, b).astype(np.int32),
                        positions=rng.integers(1, pages_per_row * S, b).astype(np.int32), page_table=pt,
                        active=np.ones(b, bool), temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-                       top_p=np.ones(b, np.float32), seeds=np.arange(b, dtype=np.uint32), steps=np.zeros(b, np.int32))
+                       top_p=np.ones(b, np.float32), seeds=np.arange(b, dtype=np.uint32), steps=np.zeros(b, np.int32),
+                       want_logprobs=np.zeros(b, bool))
 
 
 def _random_pool(cfg, num_pages, kv, seed):

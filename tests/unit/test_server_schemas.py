@@ -22,9 +22,11 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
 
 
 def test_prompts_unknown_fields_and_the_sampling_map():
-    assert CompletionRequest(prompt="ab").one_prompt == "ab"  # a string is one prompt, not its first character
-    assert CompletionRequest(prompt=["ab"]).one_prompt == "ab"
-    assert CompletionRequest(prompt=[3, 4]).one_prompt == [3, 4]
+    assert CompletionRequest(prompt="ab").prompts == ["ab"]  # a string is one prompt, not its first character
+    assert CompletionRequest(prompt=["ab", "c"]).prompts == ["ab", "c"]
+    assert CompletionRequest(prompt=[3, 4]).prompts == [[3, 4]]
+    assert CompletionRequest(prompt=[[3, 4], [5]]).prompts == [[3, 4], [5]]
+    assert CompletionRequest(prompt="x", seed=2**32 - 1).sampling(1, choice=2)["seed"] == 1  # choice j: seed + j
     r = CompletionRequest.model_validate({"prompt": "x", "frobnicate": {"a": 1}, "top_k": -1, "max_tokens": 7})
     assert r.sampling(r.max_tokens) == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None,
                                         "ignore_eos": False}
@@ -39,17 +41,18 @@ def test_prompts_unknown_fields_and_the_sampling_map():
 BAD_COMPLETIONS = [
     {"prompt": "x", "temperature": 2.5}, {"prompt": "x", "temperature": -0.1}, {"prompt": "x", "temperature": "nan"},
     {"prompt": "x", "top_p": 0}, {"prompt": "x", "top_p": 1.5}, {"prompt": "x", "top_k": -2},
-    {"prompt": "x", "seed": -1}, {"prompt": "x", "seed": 2**32}, {"prompt": "x", "max_tokens": 0},
-    {"prompt": "x", "max_tokens": "lots"}, {"prompt": "x", "n": 3}, {"prompt": "x", "echo": True},
-    {"prompt": "x", "logprobs": 2}, {"prompt": "x", "best_of": 2}, {"prompt": "x", "stop": ""},
+    {"prompt": "x", "seed": -1}, {"prompt": "x", "seed": 2**32}, {"prompt": "x", "max_tokens": -1},
+    {"prompt": "x", "max_tokens": "lots"}, {"prompt": "x", "n": 17}, {"prompt": "x", "logprobs": 21},
+    {"prompt": "x", "logprobs": 2, "stream": True}, {"prompt": "x", "best_of": 2}, {"prompt": "x", "stop": ""},
     {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, {"prompt": "x", "stream_options": {"include_usage": True}},
-    {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [[1, 2]]}, {},
+    {"prompt": ""}, {"prompt": []}, {"prompt": ["a", ""]}, {"prompt": [[1, 2], []]}, {"prompt": [-1]}, {},
 ]
 BAD_CHATS = [
     {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]}, {"messages": [{"role": "user"}]},
     {"messages": [{"role": "tool", "content": "x"}]}, {"messages": USER, "tool_choice": "required"},
     {"messages": USER, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-    {"messages": USER, "tools": [TOOL, TOOL]}, {"messages": USER, "logprobs": True},
+    {"messages": USER, "tools": [TOOL, TOOL]}, {"messages": USER, "top_logprobs": 2},
+    {"messages": USER, "logprobs": True, "top_logprobs": 21}, {"messages": USER, "logprobs": True, "stream": True},
     {"messages": USER, "tools": [{"type": "function", "function": {"name": "has space"}}]},
     {"messages": USER, "max_completion_tokens": 0},
 ]
