@@ -9,7 +9,10 @@ guidellm's scenario JSON, :func:`scenario`): ``/v1/completions``, streamed, guid
 SLOs (``ttft_ms``, ``tpot_ms``: guidellm's goodput objectives, vLLM's names). The report reads guidellm's JSON: TTFT,
 ITL and TPOT percentiles per level, requests and output tokens per second, the fraction of requests meeting every SLO
 and the goodput (those requests per second of the level's duration). The server's compilation count is read before
-and after the sweep: every compilation inside it is a request that waited on the compiler.
+and after the timed sweep: every compilation inside it is a request that waited on the compiler. With
+``warmup_requests`` the same scenario runs once untimed first (``warmup_requests`` per level), so that the shapes it
+reaches compile there (on a CPU the server compiles shapes as they come unless ``experiment.warmup=all``, which
+compiles every shape before ``/health``: minutes per shape set on a 2-core CPU).
 
 The guidellm executable is ``tools.guidellm`` from the config: nothing is installed here.
 """
@@ -41,8 +44,9 @@ class GuidellmSpec:
     name: str = "guidellm"
     representations: dict[str, list[str]] = field(default_factory=dict)  # name -> server overrides
     server_overrides: list[str] = field(default_factory=list)
-    streams: list[int] = field(default_factory=lambda: [1, 4, 16])  # concurrent requests per level
-    max_requests: int = 32  # requests per level
+    streams: list[int] = field(default_factory=lambda: [1, 8])  # concurrent requests per level
+    max_requests: int = 16  # requests per level
+    warmup_requests: int = 16  # per level in an untimed run of the same scenario first (0: none); its shapes compile
     prompt_tokens: int = 128
     output_tokens: int = 64
     slo_ttft_ms: float = 1000.0
@@ -120,13 +124,23 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         with Served(server_overrides, raw / name / "server.log", spec.startup_timeout_s) as srv:
             scen.write_text(json.dumps(scenario(spec, srv.base_url, report_json), indent=1) + "\n")
             argv = [exe, "run", "--scenario", os.path.relpath(scen, REPO), "--disable-progress"]
+            warm = 0
+            if spec.warmup_requests:
+                wscen = raw / name / "warmup_scenario.json"
+                wspec = GuidellmSpec(**{**spec.__dict__, "max_requests": spec.warmup_requests})
+                wscen.write_text(json.dumps(scenario(wspec, srv.base_url, raw / name / "warmup.json"), indent=1))
+                startup = srv.compiles()
+                run_tool([exe, "run", "--scenario", os.path.relpath(wscen, REPO), "--disable-progress"],
+                         raw / name / "warmup.log", spec.tool_timeout_s)
+                warm = srv.compiles() - startup
             before = srv.compiles()
             wall = run_tool(argv, raw / name / "guidellm.log", spec.tool_timeout_s)
             compiles = srv.compiles() - before
             command = shlex.join(["python", *srv.command[1:]])
         reps[name] = {"server_overrides": server_overrides, "server_command": command,
                       "command": shlex.join(["guidellm", *argv[1:]]), "wall_s": wall,
-                      "compiles_before_sweep": before, "compiles_during_sweep": compiles,
+                      "compiles_before_sweep": before, "compiles_in_warmup_run": warm,
+                      "compiles_during_sweep": compiles,
                       "levels": read_report(report_json)}
         log(f"[{name}] {compiles} compilations during the sweep; "
             + ", ".join(f"c={r['streams']}: {r['output_tok_per_s']:.0f} tok/s" for r in reps[name]["levels"]))
@@ -165,9 +179,10 @@ def markdown(results: dict) -> str:
     lines += [rp.markdown_table(header, rows), "", "## Compilations inside the sweep", "",
               "The server logs every JAX compilation (`JAX_LOG_COMPILES=1`); counted in its log before and after the "
               "timed sweep:", ""]
-    lines += [rp.markdown_table(["representation", "compilations before the sweep (startup)", "during the sweep"],
-                                [[n, r["compiles_before_sweep"], r["compiles_during_sweep"]]
-                                 for n, r in results["representations"].items()]), ""]
+    lines += [rp.markdown_table(["representation", "compilations before the timed sweep (startup and warm-up run)",
+                                 "of them in the untimed warm-up run", "during the timed sweep"],
+                                [[n, r["compiles_before_sweep"], r.get("compiles_in_warmup_run", "-"),
+                                  r["compiles_during_sweep"]] for n, r in results["representations"].items()]), ""]
     lines += ["## Commands", "", "```bash",
               f"python experiments/guidellm.py tools.guidellm={results['tools']['guidellm']}", "```", "",
               "Per representation (the scenario file is in `raw/<representation>/scenario.json`):", ""]

@@ -51,7 +51,7 @@ class LmEvalSpec:
     comparisons: list[list[str]] = field(default_factory=list)  # [reference, test] pairs of representation names
     bos_tasks: list[str] = field(default_factory=lambda: ["ps_toolcalls"])  # run with add_bos_token=True
     plain_tasks: list[str] = field(default_factory=lambda: ["ps_code_ppl", "ps_code_mc"])  # add_bos_token=False
-    limit: int | None = 40  # documents per task (None: all)
+    limit: int | None = 20  # documents per task (None: all)
     num_concurrent: int = 8
     max_length: int = 1024  # the model's context
     model_name: str = "phaseserve-default"

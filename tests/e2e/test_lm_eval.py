@@ -201,9 +201,10 @@ def test_guidellm_report_is_read(tmp_path):
                "environment": {"date": "today"},
                "representations": {"bf16": {"server_command": "python -m phaseserve.server quant=bf16",
                                             "command": "guidellm run --scenario s.json", "levels": rows,
-                                            "compiles_before_sweep": 62, "compiles_during_sweep": 9}}}
+                                            "compiles_before_sweep": 62, "compiles_in_warmup_run": 7,
+                                            "compiles_during_sweep": 9}}}
     md = gs.markdown(results)
-    assert "| bf16 | 4 | 8 / 0 | 0.46 | 30 | 42.3 | 10741 |" in md and "| bf16 | 62 | 9 |" in md
+    assert "| bf16 | 4 | 8 / 0 | 0.46 | 30 | 42.3 | 10741 |" in md and "| bf16 | 62 | 7 | 9 |" in md
     assert all(p.stat().st_size > 0 for p in gs.plots(tmp_path, results))
 
 
