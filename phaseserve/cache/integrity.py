@@ -123,6 +123,16 @@ class IntegrityTracker:
             self.tags = _set_tags_donated(self.tags, upd)
         return n
 
+    def warm(self) -> int:
+        """Compile :meth:`sync`'s tag update at every padded size it can use (8 .. the pages' bucket; each update
+        here addresses no page, so nothing changes). Returns the number of sizes."""
+        sizes = [8 << i for i in range(max(1, (max(self.num_pages, 8) - 1).bit_length() - 2))]
+        for size in sizes:
+            upd = np.zeros((2, size), np.uint32)
+            upd[0] = self.num_pages  # out of range: dropped
+            self.tags = _set_tags_donated(self.tags, upd)
+        return len(sizes)
+
     def check(self, page_table, expected_tags, num_live) -> jax.Array:
         """ok bool[B] (device) for page_table i32[B, P], expected_tags u32[B, P], num_live i32[B]."""
         self.sync()
@@ -211,6 +221,9 @@ class NoopTracker:
     def check(self, page_table, expected_tags, num_live) -> None:
         self.sync()
         return None
+
+    def warm(self) -> int:
+        return 0
 
     @staticmethod
     def mask_table(page_table: jax.Array, ok: None) -> jax.Array:

@@ -18,13 +18,20 @@ Next to a checkpoint it is stored as Hugging Face tokenizer files (:meth:`ByteTo
 and ``tokenizer_config.json``), so ``transformers.AutoTokenizer.from_pretrained(dir)`` loads the same ids:
 ``<bos>`` prepended for ``add_special_tokens=True`` (the training format), text spelling a special token encoded
 as bytes (``split_special_tokens``).
+
+:class:`HFTokenizer` is the same interface (``encode_prompt``, ``decode``, ``is_special``, ``token_bytes``,
+``info``) over a checkpoint's own Hugging Face tokenizer (``transformers.AutoTokenizer``), with its chat template
+(``chat_ids``): what the server uses for a checkpoint whose ``tokenizer.json`` is not this byte-level one (Kimi,
+GLM, Qwen, ...). :func:`load_tokenizer` picks one for a checkpoint directory.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -58,6 +65,10 @@ class ByteTokenizer:
         """UTF-8 bytes of ``text`` as ids, optionally wrapped in ``<bos>`` / ``<eos>``."""
         ids = list(text.encode("utf-8"))
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the model was trained: ``<bos>`` then the bytes (Hugging Face's ``add_special_tokens``)."""
+        return self.encode(text, bos=True)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Fast path for long text: u8 bytes widened to i32[len]."""
@@ -140,6 +151,103 @@ class ByteTokenizer:
     @classmethod
     def load(cls, directory: str | Path) -> ByteTokenizer:
         return cls.from_json(json.loads((Path(directory) / "tokenizer.json").read_text()))
+
+    def info(self) -> dict:
+        """What ``/tokenizer_info`` reports (the fields of ``tokenizer_config.json``, vLLM's shape)."""
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": self.vocab_size, "bos_token": "<bos>",
+                "eos_token": "<eos>", "pad_token": "<pad>", "add_bos_token": True, "chat_template": None,
+                "special_tokens": self.special_ids}
+
+
+class HFTokenizer:
+    """A checkpoint's Hugging Face tokenizer behind the server's tokenizer interface. ``encode_prompt`` adds the
+    special tokens the tokenizer adds by default (its ``<bos>``, as the model was trained); ``chat_ids`` renders
+    messages (and offered ``tools``) with the checkpoint's chat template and the generation prompt."""
+
+    def __init__(self, hf: Any):
+        self.hf = hf
+        self.vocab_size = len(hf)
+        self.bos_id, self.eos_id = hf.bos_token_id, hf.eos_token_id
+        self._special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
+        self._bytes: dict[int, bytes] = {}
+        self._byte_level = _is_byte_level(hf)
+        self._inverse = {ch: b for b, ch in enumerate(byte_chars())}
+
+    @classmethod
+    def load(cls, directory: str | Path) -> HFTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(directory)))
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        return list(self.hf(text, add_special_tokens=bos)["input_ids"])
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text, bos=True)
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self.hf.decode([int(t) for t in ids], skip_special_tokens=skip_special)
+
+    def is_special(self, t: int) -> bool:
+        return t in self._special
+
+    def token_bytes(self, t: int) -> bytes:
+        """Token ``t``'s bytes: byte-level BPE pieces through GPT-2's byte table, SentencePiece pieces with
+        ``<0xNN>`` byte fallback and ``▁`` as a space; a special token: its text."""
+        out = self._bytes.get(t)
+        if out is None:
+            piece = self.hf.convert_ids_to_tokens(int(t))
+            if piece is None:
+                out = b""
+            elif t in self._special:
+                out = piece.encode("utf-8")
+            elif self._byte_level and all(ch in self._inverse for ch in piece):
+                out = bytes(self._inverse[ch] for ch in piece)
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                out = bytes([int(piece[3:5], 16)])
+            else:
+                out = piece.replace("\u2581", " ").encode("utf-8")
+            self._bytes[t] = out
+        return out
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat: the checkpoint's chat template with the generation prompt (ValueError when the
+        tokenizer has no template)."""
+        if not self.chat_template:
+            raise ValueError("this checkpoint's tokenizer has no chat template")
+        ids = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def info(self) -> dict:
+        h = self.hf
+        return {"tokenizer_class": type(h).__name__, "vocab_size": self.vocab_size, "bos_token": h.bos_token,
+                "eos_token": h.eos_token, "pad_token": h.pad_token,
+                "add_bos_token": bool(self.encode("x", bos=True)[:1] == [self.bos_id] and self.bos_id is not None),
+                "chat_template": self.chat_template, "model_max_length": h.model_max_length}
+
+
+def _is_byte_level(hf: Any) -> bool:
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    state = json.loads(backend.to_str())
+    return "ByteLevel" in json.dumps([state.get("pre_tokenizer"), state.get("decoder")])
+
+
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a checkpoint directory: the byte-level one when its ``tokenizer.json`` is that (the
+    default model), else its own Hugging Face tokenizer (``AutoTokenizer``)."""
+    path = Path(directory) / "tokenizer.json"
+    try:
+        return ByteTokenizer.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return HFTokenizer.load(directory)
 
 
 def byte_chars() -> list[str]:

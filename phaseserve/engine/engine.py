@@ -510,6 +510,23 @@ class Engine:
         jax.block_until_ready((self.prefill.pool, self.decode.pool))
         return len(sizes)
 
+    def warm_up(self) -> dict[str, int]:
+        """Compile every shape serving can run before any request arrives, so none compiles while requests wait:
+        the handoff's chunk sizes (:meth:`warm_handoff`), every padded prefill group (rows x chunk x page-table
+        width, :meth:`PrefillWorker.shapes`) and every padded decode batch (rows x width, with its integrity
+        check). The shapes are the engine's buckets (powers of two, widths of :func:`width_bucket`), so their
+        number grows with the log of ``max_batch``, ``max_prefill_tokens`` and the context. Returns the counts."""
+        rows, chunk = self.max_batch, min(self.serve.max_prefill_tokens, self.limits.max_context)
+        pages = min(self.limits.max_pages, -(-self.limits.max_context // self.serve.cache.page_size))
+        prefill, decode = self.prefill.shapes(rows, chunk, pages), self.decode.shapes(rows, pages)
+        for shape in prefill:
+            self.prefill.warm(*shape)
+        for shape in decode:
+            self.decode.warm(*shape)
+        handoff = self.warm_handoff()
+        return {"prefill_shapes": len(prefill), "decode_shapes": len(decode), "handoff_sizes": handoff,
+                "tag_sync_sizes": self.tracker.warm()}
+
     def reset_metrics(self) -> None:
         """Start a new measurement run: clear the run counters and the finished outputs (nothing in flight)."""
         self.metrics = RunMetrics()

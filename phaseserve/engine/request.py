@@ -10,7 +10,8 @@ are integers (numpy integers accepted, ``bool`` refused) inside the vocabulary; 
 top_p <= 1`` are finite floats; ``0 <= top_k < 2**31``; ``0 <= seed < 2**32`` (None: a fresh random seed, drawn here
 and reported in ``RequestOutput.seed``); ``tenant`` is a UTF-8-encodable
 ``str``; the id is a ``str``; ``logprobs`` / ``prompt_logprobs`` are None (off) or in ``[0, MAX_LOGPROBS]``;
-``max_tokens == 0`` only with ``prompt_logprobs`` (scoring a prompt, nothing generated).
+``max_tokens == 0`` only with ``prompt_logprobs`` (scoring a prompt, nothing generated); ``0 <= min_tokens <=
+max_tokens``.
 
 Log-probabilities (:class:`Logprob`) are those of the model's distribution (``log_softmax`` of the raw logits,
 before temperature, top-k or top-p), as vLLM reports by default and as scoring (lm-eval's loglikelihood) needs:
@@ -105,6 +106,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # True: do not stop at the model's eos token ids
     tenant: str = ""  # salt of the prefix-cache hash chain: one tenant's prefix is never another's hit
+    min_tokens: int = 0  # stop and eos tokens end the request only once this many tokens are out (finish rule)
     logprobs: int | None = None  # generated tokens' logprobs with this many top alternatives (None: off)
     prompt_logprobs: int | None = None  # prompt tokens' logprobs likewise (None: off; the prompt skips prefix hits)
 
@@ -282,6 +284,7 @@ def validate(req: Any, limits: Limits) -> Request:
            for k in ("logprobs", "prompt_logprobs")}
     return req.replace(
         prompt=prompt, max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), **lps,
+        min_tokens=_integer(rid, "min_tokens", req.min_tokens, 0, max_tokens),
         temperature=_real(rid, "temperature", req.temperature, lambda v: v >= 0, ">= 0"),
         top_p=_real(rid, "top_p", req.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
         top_k=_integer(rid, "top_k", req.top_k, 0, I32_MAX),

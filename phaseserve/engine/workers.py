@@ -52,6 +52,11 @@ def width_bucket(n: int, lo: int = 4) -> int:
     return max(lo, w * 3 // 4) if w * 3 // 4 >= n else w
 
 
+def batch_buckets(max_rows: int) -> list[int]:
+    """The padded batch sizes of up to ``max_rows`` rows: 1, 2, 4, .. bucket(max_rows)."""
+    return [1 << i for i in range(bucket(max_rows).bit_length())]
+
+
 def cache_pages(cfg: ModelConfig, cache: CacheConfig, kv_dtype: str, device: jax.Device) -> int:
     """Pages of the decode pool (the null page included): ``cache.num_pages``; else the pages of
     ``cache.kv_budget_bytes``; else ``cache.memory_fraction`` of ``device``'s free memory (call it after the weights
@@ -75,8 +80,11 @@ def prefill_pages(limits: Any, max_prefill_tokens: int) -> int:
 
 
 def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
-    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token, ``"length"`` at ``max_tokens``, else None."""
-    if token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids):
+    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token past the first ``min_tokens`` (such a token
+    earlier is kept, and generation goes on: the finish rule, not a mask on the logits), ``"length"`` at
+    ``max_tokens``, else None."""
+    stoppable = num_generated > req.min_tokens
+    if stoppable and (token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids)):
         return "stop"
     if num_generated >= req.max_tokens:
         return "length"
@@ -216,6 +224,30 @@ class PrefillWorker:
         prompt = jax.device_get(prompt) if want_prompt.any() else None
         return np.asarray(first)[: len(group)], gen, prompt
 
+    def shapes(self, max_rows: int, max_chunk: int, max_pages: int) -> list[tuple[int, int, int]]:
+        """Every ``(rows, chunk, page-table width)`` :meth:`run` can pad a group to, for groups of up to
+        ``max_rows`` chunks of up to ``max_chunk`` tokens of requests holding up to ``max_pages`` pages
+        (:meth:`groups` keeps rows x chunk within ``max_prefill_tokens``; a chunk of ``c`` tokens past a prefix or an
+        earlier chunk may need any wider table)."""
+        cap, out = min(self.tables.page_table.shape[1], max_pages), []
+        for c in (16 << i for i in range(bucket(max(max_chunk, 16), 16).bit_length() - 4)):
+            least = -(-(c // 2 + 1 if c > 16 else 1) // self.page_size)  # pages of the shortest chunk padded to c
+            widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
+            for b in batch_buckets(max_rows):
+                if b * c <= max(self.max_prefill_tokens, c):
+                    out += [(b, c, w) for w in widths]
+        return out
+
+    def warm(self, b: int, c: int, w: int) -> None:
+        """Compile the chunk step at one padded shape (nothing valid: no page is written)."""
+        z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
+        rows = sampling_rows([], b)
+        batch = ChunkBatch(tokens=z(b, c), positions=np.tile(np.arange(c, dtype=np.int32), (b, 1)),
+                           valid=z(b, c, dt=bool), lengths=z(b), last=z(b), page_table=z(b, w),
+                           targets=np.full((b, c), -1, np.int32), want_prompt=z(b, dt=bool), **rows)
+        first, self.pool, _, _ = self._chunk(self.params, self.pool, batch)
+        np.asarray(first)
+
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
         (see :mod:`phaseserve.engine.handoff`)."""
@@ -276,6 +308,23 @@ class DecodeWorker:
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+
+    def shapes(self, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
+        """Every ``(rows, page-table width)`` :meth:`step` can pad a batch of up to ``max_rows`` rows of requests
+        holding up to ``max_pages`` pages to."""
+        cap = min(self.tables.page_table.shape[1], max_pages)
+        widths = sorted({min(width_bucket(n), cap) for n in range(1, cap + 1)})
+        return [(b, w) for b in batch_buckets(max_rows) for w in widths]
+
+    def warm(self, b: int, w: int) -> None:
+        """Compile the integrity check and the decode step at one padded shape (padding rows only: nothing is
+        written)."""
+        pt, expected, live = np.zeros((b, w), np.int32), np.zeros((b, w), np.uint32), np.zeros(b, np.int32)
+        batch = DecodeBatch(tokens=np.zeros(b, np.int32), positions=np.zeros(b, np.int32), page_table=pt,
+                            active=np.zeros(b, bool), **sampling_rows([], b))
+        ok = self.tracker.check(pt, expected, live)
+        nxt, self.pool, finite, _ = self._decode(self.params, self.pool, batch, ok)
+        jax.device_get((nxt, ok, finite))
 
     def pool_ok(self) -> bool:
         """False when a failed call consumed the (donated) pool: its buffers are gone."""

@@ -41,14 +41,22 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Request, RequestError, RequestOutput
 from phaseserve.engine.replicas import request_load
 from phaseserve.engine.request import validate
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
-from phaseserve.server.logprobs import chat_logprobs, completion_logprobs
+from phaseserve.server.logprobs import chat_logprobs, completion_logprobs, token_string
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
-from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest, error_body, validation_message
+from phaseserve.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    validation_message,
+)
 from phaseserve.server.security import DEFAULT_MAX_BODY_BYTES, Auth, Gate, cache_tenant
 from phaseserve.server.sse import DONE, EventStream, Template, event
 
@@ -222,6 +230,14 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     ids = itertools.count()
     id_prefix = uuid.uuid4().hex[:16]  # request ids: unique per server (a counter), not guessable across servers
 
+    byte_level = isinstance(tokenizer, ByteTokenizer)
+
+    def chars_fit(text_len: int) -> None:
+        """A byte-level tokenizer makes at least one token per character: a text that cannot fit is refused
+        before it is encoded (other tokenizers: checked once encoded)."""
+        if byte_level:
+            fits(text_len)
+
     def fits(n: int) -> None:
         """Cheap first: a prompt of ``n`` tokens (a lower bound for a string) that cannot fit the context is
         refused before anything reads it token by token."""
@@ -325,6 +341,12 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         """Usage over the choices: each prompt counted once (``n`` choices share it)."""
         return usage(sum(len(g.req.prompt) for g in gens[::n]), sum(len(g.text.ids) for g in gens))
 
+    def chat_prompt(messages: list) -> list[int]:
+        try:
+            return render_chat(messages, tokenizer)
+        except ValueError as e:  # e.g. a checkpoint tokenizer without a chat template
+            raise ApiError(400, f"cannot render the chat: {e}", param="messages") from None
+
     # ---- endpoints --------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -343,6 +365,36 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's ``/tokenize``: a prompt's ids as ``/v1/completions`` encodes it (``add_special_tokens``: with
+        ``<bos>``), or a chat's as ``/v1/chat/completions`` renders it."""
+        check_model(body.model)
+        if body.prompt is not None:
+            chars_fit(len(body.prompt))
+            encode = tokenizer.encode_prompt if body.add_special_tokens else tokenizer.encode
+            ids = await asyncio.to_thread(encode, body.prompt)
+        else:
+            chars_fit(sum(len(m.text) for m in body.messages))
+            ids = await asyncio.to_thread(chat_prompt, body.messages)
+        strs = [token_string(tokenizer, t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": limits.max_context, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's ``/detokenize``: ids -> text (special tokens by name)."""
+        check_model(body.model)
+        bad = [t for t in body.tokens if t >= limits.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids outside the vocabulary of {limits.vocab_size}: {bad[:5]}",
+                           param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's ``/tokenizer_info``: the tokenizer's configuration, ``model_max_length`` the server's context."""
+        return {**tokenizer.info(), "model_max_length": limits.max_context}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
@@ -354,14 +406,16 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         prompts = []
         for p in body.prompts:
             if isinstance(p, str):
-                fits(len(p))  # a byte-level tokenizer: at least one token per character
-                prompts.append((await asyncio.to_thread(tokenizer.encode, p, bos=True), p))  # <bos>: as trained
+                chars_fit(len(p))
+                encode = tokenizer.encode_prompt if body.add_special_tokens else tokenizer.encode
+                prompts.append((await asyncio.to_thread(encode, p), p))  # <bos>: as trained
             else:
                 prompts.append((list(p), None))
         scored = body.echo and body.logprobs is not None
         extra = {"logprobs": body.logprobs,
                  "prompt_logprobs": body.logprobs if scored else 0 if body.max_tokens == 0 else None}
-        specs = [(await new_request(ids, body, body.max_tokens, http, j, **extra), TextStream(tokenizer, body.stops))
+        specs = [(await new_request(ids, body, body.max_tokens, http, j, **extra),
+                  TextStream(tokenizer, body.stops, min_tokens=body.min_tokens))
                  for ids, _ in prompts for j in range(body.n)]
         gens = await open_all(specs)
         rid, created = f"cmpl-{gens[0].req.id}", int(time.time())
@@ -412,13 +466,17 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
         check_model(body.model)
+        if body.tools and not byte_level:
+            raise ApiError(400, "tools are not supported for this checkpoint: tool calls are parsed in the default "
+                                "model's format only", param="tools")
         forced = forced_prefix(body, tokenizer)
-        fits(sum(len(m.text) for m in body.messages))  # cheap first: characters are a lower bound on byte tokens
-        prompt = await asyncio.to_thread(render_chat, body.messages, tokenizer) + forced
+        chars_fit(sum(len(m.text) for m in body.messages))  # cheap first
+        prompt = await asyncio.to_thread(chat_prompt, body.messages) + forced
         budget = body.token_budget(max(limits.max_context - len(prompt), 1))
         extra = {"logprobs": (body.top_logprobs or 0) if body.logprobs else None}
         specs = [(await new_request(prompt, body, budget, http, j, **extra),
-                  TextStream(tokenizer, body.stops, tools_on=body.tools_on, forced=forced)) for j in range(body.n)]
+                  TextStream(tokenizer, body.stops, tools=body.offered_tools, forced=forced,
+                             min_tokens=body.min_tokens)) for j in range(body.n)]
         gens = await open_all(specs)
         rid, created = f"chatcmpl-{gens[0].req.id}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}

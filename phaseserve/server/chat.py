@@ -10,7 +10,12 @@ answer (:func:`forced_prefix`): ``"required"`` appends ``<tool_call>`` to the pr
 :class:`TextStream` turns generated ids into text deltas as they arrive: UTF-8 decoded incrementally (a multi-byte
 character is sent whole), special tokens dropped, ``stop`` strings matched on the text (held back while they may
 still be starting) and, for chat with tools, the text from ``<tool_call>`` on kept back for
-:func:`tool_calls_of`, which reads the call with :func:`phaseserve.data.toolcalls.parse_call`.
+:func:`tool_calls_of`, which returns it as a call only when it names an offered tool and its arguments satisfy that
+tool's JSON schema (else the text comes back as content).
+
+A checkpoint with its own Hugging Face tokenizer (:class:`~phaseserve.data.tokenizer.HFTokenizer`) renders chats
+with its chat template; its tool-call format is the model's own, which this server does not parse, so ``tools``
+are refused for it (by name, in the app).
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ import uuid
 from typing import Any
 
 from phaseserve.data.tokenizer import ByteTokenizer
-from phaseserve.data.toolcalls import parse_call
+from phaseserve.data.toolcalls import extract_call, validate_call
 from phaseserve.server.schemas import ChatCompletionRequest, Message, NamedToolChoice
 
 
-def render_chat(messages: list[Message], tok: ByteTokenizer) -> list[int]:
-    """Token ids of a chat in the default model's format (the last message is what it answers)."""
+def render_chat(messages: list[Message], tok: Any, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat (the last message is what it answers): a Hugging Face tokenizer's own chat template
+    (:class:`~phaseserve.data.tokenizer.HFTokenizer`, with the offered ``tools``), else the default model's format.
+    The default model was trained on requests alone (no tool descriptions in its prompts): its format has no place
+    for ``tools``; they act on its output (:func:`tool_calls_of`)."""
+    if not isinstance(tok, ByteTokenizer):
+        return tok.chat_ids([_template_message(m) for m in messages], tools)
     ids = [tok.bos_id]
     for m in messages:
         if m.role != "assistant":
@@ -40,6 +50,19 @@ def render_chat(messages: list[Message], tok: ByteTokenizer) -> list[int]:
     return ids
 
 
+def _template_message(m: Message) -> dict:
+    """A message as chat templates read it (Hugging Face's convention: text content, call arguments as objects)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.text}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}} for c in m.tool_calls]
+    return out
+
+
 def forced_prefix(req: ChatCompletionRequest, tok: ByteTokenizer) -> list[int]:
     """Ids appended to the prompt so the answer starts as ``tool_choice`` demands (empty for none / auto)."""
     choice = req.tool_choice
@@ -50,12 +73,16 @@ def forced_prefix(req: ChatCompletionRequest, tok: ByteTokenizer) -> list[int]:
     return [tok.tool_start_id]
 
 
-def tool_calls_of(ids: list[int], tok: ByteTokenizer) -> list[dict] | None:
+def tool_calls_of(ids: list[int], tok: ByteTokenizer, tools: dict[str, dict]) -> list[dict] | None:
     """The OpenAI ``tool_calls`` of a generation (its forced prefix included), or None when it holds no call
-    that parses as ``{"name": str, "arguments": object}``."""
-    call, _schema_errors = parse_call(ids, tok)  # schema errors are the built-in tools'; the client's may differ
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"),
-                                                                                              dict):
+    ``{"name", "arguments"}`` to one of the offered ``tools`` (name -> parameters schema) whose arguments satisfy
+    that tool's schema (``jsonschema``): a call to a tool that was not offered is not a call."""
+    text = extract_call(ids, tok)
+    try:
+        call = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    if validate_call(call, tools):
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
@@ -70,8 +97,10 @@ class TextStream:
     ids from ``<tool_call>`` on when tools are on.
     """
 
-    def __init__(self, tok: ByteTokenizer, stops: list[str] = (), tools_on: bool = False, forced: list[int] = ()):
-        self.tok, self.stops, self.tools_on = tok, list(stops), tools_on
+    def __init__(self, tok: Any, stops: list[str] = (), tools: dict[str, dict] | None = None,
+                 forced: list[int] = (), min_tokens: int = 0):
+        self.tok, self.stops, self.tools, self.min_tokens = tok, list(stops), tools, min_tokens
+        self.tools_on = tools is not None
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""  # decoded text so far (before any stop string)
         self.sent = 0  # characters of ``text`` handed out
@@ -80,9 +109,9 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, t: int) -> str:
-        if 0 <= t < 256:
-            return self._utf8.decode(bytes([t]))
-        return ""  # a skipped special does not split the bytes around it (as ByteTokenizer.decode(skip_special))
+        if self.tok.is_special(t):
+            return ""  # a skipped special does not split the bytes around it (as ByteTokenizer.decode(skip_special))
+        return self._utf8.decode(self.tok.token_bytes(t))
 
     def feed(self, new_ids: list[int]) -> str:
         for t in new_ids:
@@ -96,6 +125,8 @@ class TextStream:
                 self.call_ids = [t]
                 continue
             self.text += self._decode(t)
+            if len(self.ids) <= self.min_tokens:  # stop strings count only past min_tokens (as stop tokens)
+                continue
             for s in self.stops:
                 at = self.text.find(s, self.sent)
                 if at >= 0:
@@ -125,7 +156,7 @@ class TextStream:
         parse is returned as text (special tokens named)."""
         if self.call_ids is None:
             return self.text, None
-        calls = tool_calls_of(self.call_ids, self.tok)
+        calls = tool_calls_of(self.call_ids, self.tok, self.tools)
         if calls is not None:
             return (self.text or None), calls
         return self.text + self.tok.decode(self.call_ids), None

@@ -9,14 +9,14 @@ its ``experiment`` node:
 - ``experiment.backend=router``: multi-process disaggregated serving (a prefill server process, a decode server
   process and the router of :mod:`phaseserve.serving`, KV pulled between them), same ``ServeConfig``.
 
-The tokenizer is the checkpoint's ``tokenizer.json`` (a byte-level one, :mod:`phaseserve.data.tokenizer`, as the
-shipped default model has); a checkpoint without one is refused with a :class:`~phaseserve.ConfigError`.
+The tokenizer is the checkpoint's own: the byte-level one (:mod:`phaseserve.data.tokenizer`) for the shipped default
+model, else its Hugging Face tokenizer and chat template (``AutoTokenizer``); a checkpoint without one is refused
+with a :class:`~phaseserve.ConfigError`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import socket
 import threading
 import time
@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from phaseserve.config import ConfigError
 from phaseserve.config_hydra import repo_path, serve_config
-from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -41,16 +41,18 @@ def compose(overrides: list[str] = ()) -> DictConfig:
         return hydra_compose(config_name="server", overrides=list(overrides))
 
 
-def tokenizer_of(cfg: DictConfig) -> ByteTokenizer:
+def tokenizer_of(cfg: DictConfig) -> ByteTokenizer | HFTokenizer:
+    """The checkpoint's tokenizer (:func:`~phaseserve.data.tokenizer.load_tokenizer`: the byte-level one, or its
+    own Hugging Face tokenizer); random weights of a preset: bytes (as good as any ids; vocab checked in serve)."""
     m = cfg.model
     if not m.get("checkpoint"):
-        return ByteTokenizer()  # random weights of a preset: bytes are as good as any ids (vocab checked below)
-    path = repo_path(m.checkpoint) / "tokenizer.json"
+        return ByteTokenizer()
+    path = repo_path(m.checkpoint)
     try:
-        return ByteTokenizer.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"the server needs the byte-level tokenizer.json next to a checkpoint; {path}: {e}") \
-            from None
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:  # no tokenizer files AutoTokenizer can read
+        raise ConfigError(f"the server needs the checkpoint's tokenizer (tokenizer.json / tokenizer_config.json) in "
+                          f"{path}: {type(e).__name__}: {e}") from None
 
 
 def build_backend(cfg: DictConfig) -> Any:
@@ -76,6 +78,30 @@ def build_backend(cfg: DictConfig) -> Any:
     return RouterBackend(Router(ServerSpec(model=mspec, serve=serve), ServerSpec(model=mspec, serve=serve)))
 
 
+def warm_up(backends: list, mode: str) -> None:
+    """Compile every shape the engines can run before the server answers ``/health`` (``Engine.warm_up``), and
+    say so: ``mode`` ``all``; ``none`` (only the handoff's chunk sizes); ``auto`` (default): ``all`` on an
+    accelerator, ``none`` on a CPU, where one shape of the default model compiles in ~20 s (a 2-core machine)."""
+    if mode not in ("auto", "all", "none"):
+        raise ConfigError(f"experiment.warmup must be auto, all or none, got {mode!r}")
+    import jax
+
+    engines = [b.engine for b in backends if hasattr(b, "engine")]
+    if mode == "auto":
+        mode = "none" if jax.default_backend() == "cpu" else "all"
+    t0 = time.perf_counter()
+    for e in engines:
+        if mode == "all":
+            counts = e.warm_up()
+        else:
+            counts = {"handoff_sizes": e.warm_handoff()}
+    if engines:
+        what = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items())
+        print(f"phaseserve: warm-up {mode}: compiled {what} per engine in {time.perf_counter() - t0:.1f} s"
+              + ("" if mode == "all" else "; other shapes compile on first use (experiment.warmup=all)"),
+              flush=True)
+
+
 def serve(cfg: DictConfig) -> None:
     """Build the backend and serve HTTP until interrupted (uvicorn)."""
     import uvicorn
@@ -86,12 +112,12 @@ def serve(cfg: DictConfig) -> None:
     backend = build_backend(cfg)
     backends = backend if isinstance(backend, list) else [backend]
     vocab = backends[0].limits.vocab_size
-    if vocab > tok.vocab_size or vocab < 256 + 5:
+    if isinstance(tok, ByteTokenizer) and (vocab > tok.vocab_size or vocab < 256 + 5):
         raise ConfigError(f"the model's vocabulary ({vocab}) does not fit the byte tokenizer")
-    for b in backends:
-        if hasattr(b, "engine"):  # compile the handoff's chunk sizes now, not while requests wait
-            b.engine.warm_handoff()
+    if not isinstance(tok, ByteTokenizer) and tok.vocab_size > vocab:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens, the model's vocabulary {vocab}")
     s = cfg.experiment
+    warm_up(backends, str(s.get("warmup", "auto")))
     where = f", {len(backends)} replicas" if len(backends) > 1 else ""
     print(f"phaseserve: serving {s.model_name!r} ({s.backend} backend{where}) on http://{s.host}:{s.port}/v1",
           flush=True)

@@ -16,6 +16,11 @@ behind one endpoint -- each reports as its own ``source`` and these are the sums
 - counters ``phaseserve:num_preemptions_total``, ``phaseserve:integrity_aborts_total`` (requests ended by a failed
   page-tag check), ``phaseserve:prefix_cache_queries_total`` / ``phaseserve:prefix_cache_hits_total`` (pages).
 
+The metrics vLLM also exports are written a second time under its ``vllm:`` prefix (:data:`VLLM_NAMES`:
+requests running / waiting, TTFT, TPOT, e2e latency, request success by reason, prompt / generation tokens,
+preemptions), with ``vllm:kv_cache_usage_perc``, so dashboards built for vLLM read this server; the prefix-cache
+counters stay ``phaseserve:`` only (pages here, tokens in vLLM).
+
 Each server has its own registry (several servers can live in one process, e.g. in tests).
 """
 
@@ -33,6 +38,25 @@ GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting", 
           "kv_pages_free": "kv_pages_free"}
 COUNTERS = {"preemptions": "num_preemptions", "integrity_aborts": "integrity_aborts",
             "prefix_lookup_pages": "prefix_cache_queries", "prefix_hit_pages": "prefix_cache_hits"}
+
+
+VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "time_to_first_token_seconds",
+              "time_per_output_token_seconds", "e2e_request_latency_seconds", "request_success_total",
+              "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total")
+
+
+def _vllm_aliases(text: bytes) -> bytes:
+    """The exposition lines of the :data:`VLLM_NAMES` metrics (and their histogram series) renamed ``vllm:``."""
+    out = []
+    for line in text.decode().splitlines():
+        words = line.split(" ", 3)
+        name = words[2] if line.startswith("#") and len(words) > 2 else line.split("{", 1)[0].split(" ", 1)[0]
+        base = name.removeprefix("phaseserve:")
+        if name.startswith("phaseserve:") and any(base == n or base.startswith(n.removesuffix("_total") + "_")
+                                                  or base == n.removesuffix("_total") for n in VLLM_NAMES):
+            out.append(line.replace("phaseserve:", "vllm:", 1) if not line.startswith("#")
+                       else line.replace(name, "vllm:" + base, 1))
+    return ("\n".join(out) + "\n").encode() if out else b""
 
 
 class ServerMetrics:
@@ -58,6 +82,8 @@ class ServerMetrics:
                               **label).labels(model_name)
         self.counters = {k: Counter(f"phaseserve:{name}", name.replace("_", " "), **label).labels(model_name)
                          for k, name in COUNTERS.items()}
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: used / (used + free) pages (1 = full).",
+                              **label).labels(model_name)
         self._seen = dict.fromkeys(COUNTERS, 0)
         self._sources: dict[int, dict] = {}  # the latest stats of each engine loop
         self._lock = threading.Lock()  # the loops report from their own threads
@@ -95,4 +121,9 @@ class ServerMetrics:
                 self.hit_rate.set(total["prefix_hit_pages"] / total["prefix_lookup_pages"])
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition: every metric under ``phaseserve:``, and those vLLM also exports (same meaning and unit,
+        :data:`VLLM_NAMES`) again under ``vllm:``, plus ``vllm:kv_cache_usage_perc``, for dashboards built for vLLM."""
+        with self._lock:
+            used, free = (self.gauges[k]._value.get() for k in ("kv_pages_used", "kv_pages_free"))
+            self.kv_usage.set(used / (used + free) if used + free else 0.0)
+        return generate_latest(self.registry) + _vllm_aliases(generate_latest(self.registry))

@@ -1,14 +1,15 @@
 """OpenAI wire format: pydantic models of the request and response bodies the server speaks, and the error body.
 
 Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`ChatCompletionRequest`
-(``POST /v1/chat/completions``). Unknown fields are ignored, as OpenAI's server does; an invalid value fails
-validation and becomes a 400 with an OpenAI-style body (:func:`error_body`). What the engine cannot do is refused
-here, by name, rather than silently ignored (``best_of``, ``suffix``, ``logprobs`` with ``stream``, ...).
+(``POST /v1/chat/completions``). Every top-level field is honoured or refused by name: an unknown field, or a known
+one at a value the server cannot honour (penalties, ``min_p``, ``logit_bias``, ``response_format`` json_object /
+json_schema, ``best_of``, ``suffix``, ``logprobs`` with ``stream``, ...), is a 400 naming it, with an OpenAI-style
+body (:func:`error_body`), as is any invalid value. Nested objects (messages, tools) ignore unknown keys.
 
 Sampling fields map onto :class:`phaseserve.Request` (:meth:`SamplingFields.sampling`): ``temperature``,
 ``top_p``, ``top_k`` (vLLM's extension; ``-1`` or ``0`` disable it), ``seed``, ``max_tokens``
-(``max_completion_tokens`` for chat), ``ignore_eos`` (vLLM's extension) and ``stop`` (strings, matched on the
-decoded text by the server, see :mod:`phaseserve.server.textout`).
+(``max_completion_tokens`` for chat), ``ignore_eos``, ``stop_token_ids`` and ``min_tokens`` (vLLM's extensions) and
+``stop`` (strings, matched on the decoded text by the server, see :mod:`phaseserve.server.chat`).
 
 Responses are plain dicts built by :mod:`phaseserve.server.app` in the same shapes (``object`` names
 ``text_completion``, ``chat.completion``, ``chat.completion.chunk``), so nothing here is on the hot path of
@@ -20,12 +21,18 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from phaseserve.engine.request import MAX_LOGPROBS
 
 U32 = 2**32
 MAX_CHOICES = 16  # n: choices per prompt
+MAX_STOPS = 16  # stop strings per request
+REFUSED_UNLESS_DEFAULT = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                          "min_p": 0.0, "logit_bias": None, "skip_special_tokens": True,
+                          "spaces_between_special_tokens": True, "include_stop_str_in_output": False}
 I32_MAX = 2**31 - 1
 
 
@@ -55,20 +62,36 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class SamplingFields(_Lenient):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions. A field this server does not know is refused by name
+    (a 400), and so is a known one set to a value it cannot honour (:data:`REFUSED_UNLESS_DEFAULT`,
+    ``response_format`` other than text): nothing a client sends is silently ignored."""
+
+    model_config = ConfigDict(extra="allow")  # kept to be named in the refusal
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None  # None: 1.0 (OpenAI)
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=I32_MAX)] | None = None  # vLLM extension; -1 / 0: off
     seed: Annotated[int, Field(ge=0, lt=U32)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # one engine request per choice (seed + j when seeded)
     ignore_eos: bool = False  # vLLM extension
     user: str | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None  # vLLM
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM: stops (tokens and strings) only count after this many
+    # accepted at their defaults only (refused by name otherwise, see _refused):
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +111,17 @@ class SamplingFields(_Lenient):
 
     @model_validator(mode="after")
     def _supported(self):
+        unknown = sorted(self.model_extra or {})
+        if unknown:
+            raise ValueError(f"unsupported field{'s' * (len(unknown) > 1)}: {', '.join(unknown)} (this server "
+                             f"refuses what it would otherwise ignore; see docs/server.md)")
+        for name, default in REFUSED_UNLESS_DEFAULT.items():
+            value = getattr(self, name)
+            if value != default and not (name == "logit_bias" and not value):
+                raise ValueError(f"{name}={value!r:.80} is not supported (only {default!r})")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise ValueError(f"response_format type {fmt!r} is not supported: no constrained decoding (only 'text')")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -101,7 +135,8 @@ class SamplingFields(_Lenient):
         seeded, choice j runs with ``seed + j`` (mod 2**32); unseeded, the engine draws a fresh seed per choice."""
         return {"max_tokens": max_tokens, "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": max(self.top_k or 0, 0),
-                "seed": None if self.seed is None else (self.seed + choice) % U32, "ignore_eos": self.ignore_eos}
+                "seed": None if self.seed is None else (self.seed + choice) % U32, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": tuple(self.stop_token_ids or ()), "min_tokens": self.min_tokens}
 
     @property
     def include_usage(self) -> bool:
@@ -125,6 +160,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: a string prompt's <bos> (as the model was trained); false: text only
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -147,6 +183,15 @@ class FunctionDef(_Lenient):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict) -> dict:
+        try:
+            Draft202012Validator.check_schema(v)
+        except SchemaError as e:
+            raise ValueError(f"parameters is not a valid JSON schema: {e.message}") from None
+        return v
 
 
 class Tool(_Lenient):
@@ -220,10 +265,14 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # one call per reply here, which either value allows
+    functions: list | None = None  # deprecated by OpenAI: refused (send tools)
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _tools(self):
+        if self.functions is not None or self.function_call is not None:
+            raise ValueError("functions / function_call are not supported: send tools / tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.stream and self.logprobs:
@@ -245,6 +294,38 @@ class ChatCompletionRequest(SamplingFields):
     def tools_on(self) -> bool:
         """Whether the reply may be a tool call (tools given and ``tool_choice`` is not ``"none"``)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def offered_tools(self) -> dict[str, dict] | None:
+        """name -> parameters schema of the tools a reply may call (None: no tool call is read)."""
+        return {t.function.name: t.function.parameters for t in self.tools} if self.tools_on else None
+
+
+class TokenizeRequest(_Lenient):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` (``add_special_tokens``: as a completion prompt is encoded, with
+    ``<bos>``) or chat ``messages`` (rendered as a chat completion's prompt)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt=false is not supported: a chat prompt ends where the reply starts")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize`` (vLLM's): token ids -> ``{"prompt": text}``."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

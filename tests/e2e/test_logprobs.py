@@ -90,3 +90,20 @@ def test_scoring_request_generates_nothing_and_skips_prefix_hits(model):
     [bad] = engine.generate([Request(id="bad2", prompt=prompt, logprobs=21)])
     assert isinstance(bad.error, InvalidParameterError)
 
+
+
+def test_min_tokens_keeps_an_early_stop_token_going(model):
+    """The finish rule: a stop token before ``min_tokens`` tokens are out does not end the request."""
+    cfg, params = model
+    prompt = [1, 2, 3]
+    engine = ps.Engine(cfg, params, serve_config("colocated"))
+    [greedy] = engine.generate([Request(id="g", prompt=prompt, max_tokens=8, ignore_eos=True)])
+    stop = greedy.tokens[1]
+    a, b = engine.generate([Request(id="a", prompt=prompt, max_tokens=8, stop_token_ids=(stop,), ignore_eos=True),
+                            Request(id="b", prompt=prompt, max_tokens=8, stop_token_ids=(stop,), ignore_eos=True,
+                                    min_tokens=4)])
+    assert a.tokens == greedy.tokens[:2] and a.finish_reason == "stop"
+    assert b.tokens[:4] == greedy.tokens[:4] and len(b.tokens) >= 5
+    assert stop not in b.tokens[4:] or b.finish_reason == "stop"
+    [bad] = engine.generate([Request(id="bad", prompt=prompt, max_tokens=2, min_tokens=3)])
+    assert isinstance(bad.error, InvalidParameterError)

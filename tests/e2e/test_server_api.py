@@ -147,3 +147,117 @@ def test_chat_logprobs(server):
 def test_completion_field_refusals(server, body, needle):
     status, r = post(server, "/v1/completions", body)
     assert status == 400 and needle in r["error"]["message"], r
+
+
+def test_tokenize_detokenize_and_tokenizer_info_agree_with_the_shipped_hf_tokenizer(server):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(default_model_path()))
+    text = "What's the weather in Zürich?\n"
+    status, r = post(server, "/tokenize", {"prompt": text})
+    assert status == 200, r
+    assert r["tokens"] == hf(text)["input_ids"] == TOK.encode(text, bos=True)  # <bos>: as /v1/completions
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == server["engine"].limits.max_context
+    status, r2 = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    assert r2["tokens"] == hf(text, add_special_tokens=False)["input_ids"] and r2["token_strs"][0] == "W"
+    status, chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"] == TOK.encode("hi\n", bos=True)  # the default model's chat format
+    status, d = post(server, "/detokenize", {"tokens": r["tokens"]})
+    assert status == 200 and d["prompt"] == hf.decode(r["tokens"]) == "<bos>" + text
+    status, bad = post(server, "/detokenize", {"tokens": [1, 99999]})
+    assert status == 400 and bad["error"]["param"] == "tokens"
+    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=30)
+    conn.request("GET", "/tokenizer_info")
+    info = json.loads(conn.getresponse().read())
+    assert info["bos_token"] == hf.bos_token and info["eos_token"] == hf.eos_token
+    assert info["model_max_length"] == server["engine"].limits.max_context
+
+
+# ---- a checkpoint with its own Hugging Face tokenizer and chat template -------------------------------------
+WORDS = [f"\u2581{a}" for a in "abcdefghijklmnopqrstuvwxyz"] + [f"\u2581{a}{b}" for a in "aeiou" for b in "nrst"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _hf_checkpoint(directory):
+    """A tiny Llama checkpoint (vocab 96) with a SentencePiece-style word-level tokenizer (not byte-level), a
+    ``<s>`` post-processor and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.parity.hf_models import build
+
+    specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {t: i for i, t in enumerate(specials + WORDS)}
+    vocab.update({f"<extra{i}>": i for i in range(len(vocab), 96)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                 additional_special_tokens=specials[3:])
+    hf.chat_template = CHAT_TEMPLATE
+    build("llama", directory, seed=4)
+    hf.save_pretrained(directory)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def hf_server(tmp_path_factory):
+    from phaseserve.data.tokenizer import HFTokenizer, load_tokenizer
+
+    d = tmp_path_factory.mktemp("hfck")
+    hf = _hf_checkpoint(d)
+    tok = load_tokenizer(d)
+    assert isinstance(tok, HFTokenizer)
+    cfg, params = ps.load_checkpoint(d, "float32")
+    serve = ps.ServeConfig(mode="colocated", quant=ps.QuantConfig("float32", "float32", "float32", "float32"),
+                           cache=ps.CacheConfig(page_size=8, num_pages=64, max_pages_per_seq=16), max_batch=4)
+    engine = ps.Engine(cfg, params, serve)
+    app = create_app(EngineBackend(engine), tok, "tiny")
+    srv, thread, base = start_in_thread(app)
+    yield {"port": int(base.rsplit(":", 1)[1]), "hf": hf, "engine": engine}
+    srv.should_exit = True
+    thread.join(30)
+
+
+def test_a_checkpoint_is_served_with_its_own_tokenizer_and_chat_template(hf_server):
+    hf = hf_server["hf"]
+    messages = [{"role": "system", "content": "a b"}, {"role": "user", "content": "ar es c"}]
+    want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    status, r = post(hf_server, "/tokenize", {"messages": messages})
+    assert status == 200 and r["tokens"] == want and want[0] == 0  # <s>, then the template
+    status, r = post(hf_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                         "ignore_eos": True, "logprobs": True})
+    assert status == 200, r
+    assert r["usage"]["prompt_tokens"] == len(want)
+    [ref] = hf_server["engine"].generate([ps.Request(id="ref", prompt=want, max_tokens=6, ignore_eos=True)])
+    [c] = r["choices"]
+    whole, head = (hf.decode(ids, skip_special_tokens=True) for ids in (want + ref.tokens, want))
+    assert c["message"]["content"] == whole[len(head):]  # a continuation keeps its leading space (▁)
+    assert [t["token"] for t in c["logprobs"]["content"]] == [hf.convert_ids_to_tokens(t).replace("\u2581", " ")
+                                                              for t in ref.tokens]
+    status, comp = post(hf_server, "/v1/completions", {"prompt": "a b c", "max_tokens": 1, "echo": True,
+                                                       "logprobs": 0})
+    assert status == 200 and comp["usage"]["prompt_tokens"] == len(hf("a b c")["input_ids"]) == 4  # <s> a b c
+    assert comp["choices"][0]["logprobs"]["tokens"][:4] == ["<s>", " a", " b", " c"]
+    status, err = post(hf_server, "/v1/chat/completions", {
+        "messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert status == 400 and err["error"]["param"] == "tools"
+
+
+def test_stop_token_ids_and_min_tokens_are_honoured(server):
+    base = {"prompt": [TOK.bos_id, *TOK.encode("def add(a, b):\n")], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    status, r = post(server, "/v1/completions", base)
+    ids = [TOK.encode(t)[0] for t in r["choices"][0]["logprobs"]["tokens"]]  # the greedy tokens (ASCII code)
+    stop = ids[1]
+    status, cut = post(server, "/v1/completions", {**base, "stop_token_ids": [stop]})
+    assert status == 200 and cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] == ids.index(stop) + 1  # ended at the stop token (was: ignored)
+    status, held = post(server, "/v1/completions", {**base, "stop_token_ids": [stop], "min_tokens": 5})
+    assert held["usage"]["completion_tokens"] >= 6
+    assert held["choices"][0]["text"][:5] == r["choices"][0]["text"][:5]
+    status, err = post(server, "/v1/completions", {**base, "presence_penalty": 1.0})
+    assert status == 400 and "presence_penalty" in err["error"]["message"]

@@ -1,0 +1,74 @@
+"""``Engine.warm_up`` compiles every shape serving can run: afterwards, requests of every size the deployment admits
+(single and batched, chunked prompts, prefix hits, logprobs, scoring) lower and compile nothing.
+
+Counted with ``jax.monitoring``: each jit cache miss lowers a module (``jaxpr_to_mlir_module_duration``) and then
+compiles it or reads it from the persistent cache. A small deployment (2 rows, a 64-token context, 32-token prefill
+budget) keeps the shape count, and the test, small.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax._src import dispatch
+
+import phaseserve as ps
+from phaseserve.engine import Request
+from tests.e2e.engine_utils import make_checkpoint, serve_config
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    _, cfg, params = make_checkpoint("llama", tmp_path_factory.mktemp("warm"), seed=2)
+    serve = serve_config("disaggregated", page_size=16, num_pages=12, max_batch=2, max_context=64,
+                         max_prefill_tokens=32)
+    return ps.Engine(cfg, params, serve)
+
+
+class Compiles:
+    """Counts the modules lowered (jit cache misses) while it is on."""
+
+    def __init__(self):
+        self.on, self.count = False, 0
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, name: str, _secs: float, **_) -> None:
+        if self.on and name == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+            self.count += 1
+
+
+def test_no_request_compiles_after_warm_up(engine):
+    counts = engine.warm_up()
+    assert counts["prefill_shapes"] == 3 and counts["decode_shapes"] == 2  # (1|2 rows x 16) + (1 x 32); 1|2 x 4
+    rng = np.random.default_rng(0)
+    vocab = engine.cfg.vocab_size
+    shared = rng.integers(0, vocab, 33).tolist()
+
+    def req(i, n, m, **kw):
+        return Request(id=f"r{i}", prompt=rng.integers(0, vocab, n).tolist(), max_tokens=m, ignore_eos=True, **kw)
+
+    batches = [[req(0, 3, 4)], [req(1, 20, 6), req(2, 5, 30)], [req(3, 60, 3)],  # 60 tokens: 2 chunks
+               [Request(id="p1", prompt=shared + [1], max_tokens=20, ignore_eos=True),
+                Request(id="p2", prompt=shared + [2], max_tokens=20, ignore_eos=True)],  # a prefix hit
+               [req(4, 9, 5, logprobs=3, prompt_logprobs=2), req(5, 40, 0, prompt_logprobs=0)],
+               [req(6, 17, 4, temperature=1.0, top_p=0.9, top_k=5)]]
+    probe = Compiles()
+    probe.on = True
+    try:
+        for batch in batches:
+            outs = engine.generate(batch)
+            assert all(o.finish_reason == "length" for o in outs), [(o.id, o.error) for o in outs]
+    finally:
+        probe.on = False
+    assert probe.count == 0, f"{probe.count} modules were compiled while serving after warm_up"
+    assert engine.summary()["prefill_tokens_saved"] > 0  # the prefix hit happened
+
+
+def test_the_probe_sees_a_compile():
+    """The counter is live: a fresh shape compiles once."""
+    probe = Compiles()
+    probe.on = True
+    jax.jit(lambda x: x * 3 + 1)(np.zeros(7, np.float32))
+    probe.on = False
+    assert probe.count >= 1
