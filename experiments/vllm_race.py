@@ -4,16 +4,21 @@ Logic in lab/bench/vllm_race.py, settings in configs/experiment/vllm_race.yaml.
 
     python experiments/vllm_race.py                          # into outputs/vllm_race/<date>/
     python experiments/vllm_race.py experiment.vllm=/work/venv-vllm/bin/vllm hydra.run.dir=benchmarks/vllm_race
+    python experiments/vllm_race.py experiment.profile=true     # phaseserve's phases timed (profile.md)
 """
 
 from __future__ import annotations
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+import os
 
-import phaseserve.quiet  # noqa: F401  (no backend-probe INFO lines)
-from lab.bench import vllm_race
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # as python -m phaseserve.server
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import phaseserve.quiet  # noqa: E402, F401  (no backend-probe INFO lines)
+from lab.bench import vllm_race  # noqa: E402
 
 
 @hydra.main(config_path="../configs", config_name="experiment/vllm_race", version_base="1.3")

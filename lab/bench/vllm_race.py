@@ -79,6 +79,9 @@ class RaceSpec:
     port_vllm: int = 8312
     start_timeout_s: float = 900.0
     bench_timeout_s: float = 900.0
+    jax_cache_dir: str | None = "outputs/.jax_cache"  # phaseserve's persistent XLA cache (as configs/config.yaml)
+    profile: bool = False  # true: no comparison; phaseserve in this process, its phases timed (race_profile)
+    profile_model: str = "dsv3_tiny"
 
 
 class RaceError(RuntimeError):
@@ -134,6 +137,16 @@ def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
 def phaseserve_cmd(spec: RaceSpec, checkpoint: Path, name: str) -> list[str]:
     return [sys.executable, "-m", "phaseserve.server", f"model.checkpoint={checkpoint}", f"model.name={name}",
             f"experiment.model_name={name}", f"experiment.port={spec.port_phaseserve}", *spec.phaseserve_overrides]
+
+
+def phaseserve_env(spec: RaceSpec) -> dict[str, str]:
+    """The server's environment: JAX's persistent compilation cache in ``spec.jax_cache_dir`` (every program
+    cached, as vLLM keeps its torch.compile cache between starts), simulated CPU devices as the server sets them."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    if spec.jax_cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(repo_path(spec.jax_cache_dir)),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
 
 
 def vllm_cmd(spec: RaceSpec, checkpoint: Path, name: str) -> list[str]:
@@ -197,37 +210,41 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait()
 
 
-def complete(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 300.0) -> str:
-    """A greedy, EOS-ignoring, non-streamed completion of token-id ``prompt``; its text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+def complete(base_url: str, model: str, prompt: list[int], max_tokens: int,
+             timeout_s: float = 300.0) -> tuple[str, list[int] | None]:
+    """A greedy, EOS-ignoring, non-streamed completion of token-id ``prompt``: its text, and its token ids where
+    the server returns them (vLLM's ``return_token_ids``; None where it does not)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())["choices"][0]["text"]
+            choice = json.loads(r.read())["choices"][0]
     except urllib.error.HTTPError as e:
         raise RaceError(f"{base_url}: {e.code} {e.read()[:300]!r}") from None
+    return choice["text"], choice.get("token_ids")
 
 
 def greedy_check(base_url: str, model: str, prompts: list[list[int]], expected: list[list[int]],
                  decode) -> dict:
-    """Each prompt's greedy text from the server against ``decode(expected tokens)`` (transformers'); the
-    prompts are printable ASCII and the model's bytes are compared as decoded text."""
+    """Each prompt's greedy continuation from the server against transformers' ``expected`` tokens: token ids
+    where the server returns them (``by: token_ids``), else its text against ``decode(expected)`` (``by: text``;
+    bytes that are not valid UTF-8 compare only as U+FFFD there)."""
     got = [complete(base_url, model, p, len(e)) for p, e in zip(prompts, expected, strict=True)]
-    want = [decode(e) for e in expected]
-    equal = [g == w for g, w in zip(got, want, strict=True)]
-    return {"prompts": len(prompts), "tokens": len(expected[0]), "equal": sum(equal), "all_equal": all(equal),
-            "first_mismatch": next(({"got": g, "want": w} for g, w, e in zip(got, want, equal, strict=True)
+    by = "token_ids" if all(ids is not None for _, ids in got) else "text"
+    pairs = [(ids, e) if by == "token_ids" else (text, decode(e)) for (text, ids), e in zip(got, expected,
+                                                                                           strict=True)]
+    equal = [g == w for g, w in pairs]
+    return {"prompts": len(prompts), "tokens": len(expected[0]), "by": by, "equal": sum(equal),
+            "all_equal": all(equal),
+            "first_mismatch": next(({"got": g, "want": w} for (g, w), e in zip(pairs, equal, strict=True)
                                     if not e), None)}
 
 
-def warm(base_url: str, model: str, concurrency: int, input_len: int, output_len: int) -> None:
-    """``concurrency`` requests of the timed runs' shape at once (untimed): compiles their shapes."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    prompts = greedy_prompts(concurrency, input_len, seed=concurrency)
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(lambda p: complete(base_url, model, p, output_len), prompts))
+def warm(spec: RaceSpec, base_url: str, model: str, tokenizer: Path, concurrency: int, result: Path) -> None:
+    """An untimed ``vllm bench serve`` run of two waves at ``concurrency``: the timed runs' shapes compiled."""
+    bench_once(spec, base_url, model, tokenizer, concurrency, 2 * concurrency, spec.seed + 1000, result)
 
 
 # ---- the measurement ---------------------------------------------------------------------------------------------
@@ -250,6 +267,7 @@ def parse_bench(path: Path) -> dict:
     out = {k: float(raw[v]) for k, v in METRICS.items()}
     out.update(completed=int(raw["completed"]), failed=int(raw.get("failed", 0)), duration_s=float(raw["duration"]),
                total_output_tokens=int(raw.get("total_output_tokens", 0)),
+               total_input_tokens=int(raw.get("total_input_tokens", 0)),
                ttft_p99_ms=raw.get("p99_ttft_ms"), tpot_p99_ms=raw.get("p99_tpot_ms"))
     return out
 
@@ -286,7 +304,7 @@ def run_model(spec: RaceSpec, name: str, model: dict, out_dir: Path, log) -> tup
     expected = hf_greedy(ckpt, prompts, spec.greedy_tokens)
     urls = {"phaseserve": f"http://127.0.0.1:{spec.port_phaseserve}", "vllm": f"http://127.0.0.1:{spec.port_vllm}"}
     cmds = {"phaseserve": phaseserve_cmd(spec, ckpt, name), "vllm": vllm_cmd(spec, ckpt, name)}
-    envs = {"phaseserve": {}, "vllm": {**spec.vllm_env, **dict(model.get("vllm_env") or {})}}
+    envs = {"phaseserve": phaseserve_env(spec), "vllm": {**spec.vllm_env, **dict(model.get("vllm_env") or {})}}
     procs: dict[str, subprocess.Popen] = {}
     info = {"hf_config": hf, "commands": cmds, "env": envs, "greedy": {}}
     records = []
@@ -304,7 +322,7 @@ def run_model(spec: RaceSpec, name: str, model: dict, out_dir: Path, log) -> tup
                 raise RaceError(f"{s} does not match transformers' greedy tokens on {name}: {info['greedy'][s]}")
         for c in spec.concurrency:
             for s in SERVERS:
-                warm(urls[s], name, c, spec.input_len, spec.output_len)
+                warm(spec, urls[s], name, ckpt, c, out_dir / "raw" / f"{name}_c{c}_warmup_{s}.json")
             n = int(spec.prompts.get(str(c), 4 * c))
             for rep, s in abba_order(spec.repeats):
                 result = out_dir / "raw" / f"{name}_c{c}_r{rep}_{s}.json"
@@ -327,6 +345,13 @@ def run(cfg: DictConfig, out_dir: str, log=print) -> dict:
         raise RaceError(f"experiment.vllm={spec.vllm!r} is not a file: install vLLM's CPU build with "
                         "lab/bench/install_vllm_cpu.sh and point experiment.vllm at its bin/vllm")
     out = Path(out_dir)
+    if spec.profile:
+        from lab.bench import race_profile
+
+        model = dict(spec.models[spec.profile_model])
+        hf = {**spec.base_hf, **dict(model.get("hf") or {})}
+        ckpt = make_checkpoint(repo_path(spec.model_dir) / spec.profile_model, hf, spec.seed)
+        return race_profile.run(spec, ckpt, spec.profile_model, out, log)
     env = environment()
     env["vllm_version"] = subprocess.run([spec.vllm, "--version"], capture_output=True, text=True).stdout.strip()
     records, models = [], {}
@@ -364,7 +389,7 @@ def markdown(results: dict) -> str:
         hf = m["hf_config"]
         lines += [f"## {name}: kv_lora {hf.get('kv_lora_rank')}, rope {hf.get('qk_rope_head_dim')}", "",
                   "Greedy tokens against transformers: " + "; ".join(
-                      f"{s} {g['equal']}/{g['prompts']} prompts x {g['tokens']} tokens equal"
+                      f"{s} {g['equal']}/{g['prompts']} prompts x {g['tokens']} tokens equal (by {g['by']})"
                       for s, g in m["greedy"].items()), ""]
         rows = []
         for c, lv in sorted(levels.items()):

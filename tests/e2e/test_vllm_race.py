@@ -53,7 +53,7 @@ def test_bench_once_runs_the_load_generator_and_parses_its_result(tmp_path):
     assert out["output_tok_per_s"] == 800.0 and out["ttft_p50_ms"] == 18.0 and out["tpot_p50_ms"] == 5.0
     assert out["completed"] == 32 and out["failed"] == 0 and out["duration_s"] == 2.0
     cmd = vr.bench_cmd("vllm", "http://h:1", "m", tmp_path, 8, 32, 128, 64, 3, tmp_path / "r.json")
-    flags = {a: b for a, b in zip(cmd, cmd[1:]) if a.startswith("--") and not b.startswith("--")}
+    flags = {a: b for a, b in zip(cmd, cmd[1:], strict=False) if a.startswith("--") and not b.startswith("--")}
     assert flags["--endpoint"] == "/v1/completions" and flags["--random-input-len"] == "128"
     assert flags["--random-output-len"] == "64" and flags["--max-concurrency"] == "8" and "--ignore-eos" in cmd
 
@@ -96,7 +96,8 @@ def test_report_carries_tables_settings_caveats_and_plots(tmp_path):
                "models": {"m": {"hf_config": {"kv_lora_rank": 64, "qk_rope_head_dim": 16}, "commands": cmds,
                                 "env": {"phaseserve": {}, "vllm": {"VLLM_MLA_DISABLE": "1"}},
                                 "startup_s": {"phaseserve": 30.0, "vllm": 90.0},
-                                "greedy": {s: {"equal": 4, "prompts": 4, "tokens": 24} for s in vr.SERVERS}}}}
+                                "greedy": {s: {"equal": 4, "prompts": 4, "tokens": 24, "by": "text"}
+                                           for s in vr.SERVERS}}}}
     paths = vr.write_report(tmp_path, cfg, results)
     md = (tmp_path / "README.md").read_text()
     assert "1.50, 1.32, 1.29" in md  # the per-repeat tok/s ratios at concurrency 1
