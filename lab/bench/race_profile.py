@@ -38,8 +38,9 @@ class Timers:
         self.calls: dict[str, int] = {}
         self.durations: dict[str, list[float]] = {}
         self.rows = 0  # decode rows over every decode step
+        self.events: list[tuple[str, float, float]] = []  # (phase, start, seconds) of every timed call
 
-    def wrap(self, obj: Any, attr: str, name: str, keep: bool = False) -> None:
+    def wrap(self, obj: Any, attr: str, name: str) -> None:
         fn = getattr(obj, attr)
 
         @functools.wraps(fn)
@@ -48,16 +49,24 @@ class Timers:
             try:
                 return fn(*a, **kw)
             finally:
-                dt = time.perf_counter() - t0
-                self.seconds[name] = self.seconds.get(name, 0.0) + dt
-                self.calls[name] = self.calls.get(name, 0) + 1
-                if keep:
-                    self.durations.setdefault(name, []).append(dt)
+                self.events.append((name, t0, time.perf_counter() - t0))
 
         setattr(obj, attr, timed)
 
     def reset(self) -> None:
-        self.seconds, self.calls, self.durations, self.rows = {}, {}, {}, 0
+        self.events, self.rows = [], 0
+
+    def clip(self, start: float, end: float) -> None:
+        """Totals, calls and durations of the calls that overlap ``[start, end]``, each total cut to it (the idle
+        wait before the first request and after the last is not the server's time)."""
+        self.seconds, self.calls, self.durations = {}, {}, {}
+        for name, t0, dt in self.events:
+            a, b = max(t0, start), min(t0 + dt, end)
+            if b <= a and not start <= t0 <= end:
+                continue
+            self.seconds[name] = self.seconds.get(name, 0.0) + max(b - a, 0.0)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.durations.setdefault(name, []).append(dt)
 
 
 def instrument(loop: Any, timers: Timers, finished: list) -> None:
@@ -68,10 +77,10 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
     timers.wrap(loop, "_deliver", "deliver")
     if loop.on_step is not None:
         timers.wrap(loop, "on_step", "on_step")
-    timers.wrap(engine, "step", "step", keep=True)
+    timers.wrap(engine, "step", "step")
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.scheduler, "plan_chunks", "plan_chunks")
-    timers.wrap(engine.prefill, "run", "prefill.run", keep=True)
+    timers.wrap(engine.prefill, "run", "prefill.run")
     timers.wrap(engine, "_hand_off", "handoff")
     step = engine.decode.step
 
@@ -80,7 +89,7 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
         return step(rows, *a, **kw)
 
     engine.decode.step = counted
-    timers.wrap(engine.decode, "step", "decode.step", keep=True)
+    timers.wrap(engine.decode, "step", "decode.step")
     finish = engine._finish
 
     def on_finish(seq, reason, error=None):
@@ -117,9 +126,11 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
     }
 
 
-def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print) -> dict:
-    """Serve ``ckpt`` in-process, instrumented; ``vllm bench serve`` at each concurrency (an untimed warm-up run,
-    then a timed one); returns and writes ``profile.json`` and ``profile.md`` into ``out_dir``."""
+def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int = 2) -> dict:
+    """Serve ``ckpt`` in-process, instrumented; ``vllm bench serve`` at each concurrency: pass 0 as the comparison
+    runs it (an untimed warm-up run at the level, then the timed one: shapes not met in the warm-up compile inside
+    it), then ``passes - 1`` more timed passes over the levels with every shape met before already compiled.
+    Returns and writes ``profile.json`` and ``profile.md`` into ``out_dir``."""
     from lab.bench import vllm_race as vr
     from lab.bench.schema import setup_jax
     from phaseserve.server.app import create_app
@@ -138,32 +149,38 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print) -> dict:
         loop = app.state.loops[0]
         instrument(loop, timers, finished)
         http_tid = thread.native_id
-        for c in spec.concurrency:
-            n = int(spec.prompts.get(str(c), 4 * c))
-            vr.warm(spec, url, name, ckpt, c, out_dir / "raw" / f"profile_c{c}_warmup.json")
-            timers.reset()
-            finished.clear()
-            cpu0 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
-            t0 = time.perf_counter()
-            bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed, out_dir / "raw" / f"profile_c{c}.json")
-            wall = time.perf_counter() - t0
-            cpu1 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
-            cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
-            levels[c] = level_profile(timers, finished, wall, cpu, bench)
-            log(f"[profile] c={c}: {bench['output_tok_per_s']:.0f} tok/s, {levels[c]['steps']} steps, "
-                f"step p50 {levels[c]['step_ms_p50']:.2f} ms")
+        for pass_ in range(passes):
+            for c in spec.concurrency:
+                n = int(spec.prompts.get(str(c), 4 * c))
+                if pass_ == 0:
+                    vr.warm(spec, url, name, ckpt, c, out_dir / "raw" / f"profile_c{c}_warmup.json")
+                timers.reset()
+                finished.clear()
+                cpu0 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
+                bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed + pass_,
+                                      out_dir / "raw" / f"profile_p{pass_}_c{c}.json")
+                cpu1 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
+                start = min(m.received if m.received is not None else m.arrival for m in finished)
+                end = max(m.finished for m in finished)
+                timers.clip(start, end)
+                cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
+                lv = level_profile(timers, finished, end - start, cpu, bench)
+                levels.setdefault(pass_, {})[c] = lv
+                log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
+                    f"step p50 {lv['step_ms_p50']:.2f} ms, prefill.run p50 {lv['prefill_run_ms_p50']:.1f} ms")
     finally:
         server.should_exit = True
         thread.join(30)
     result = {"model": name, "checkpoint": str(ckpt), "overrides": list(spec.phaseserve_overrides),
               "levels": levels, "cpu_count": os.cpu_count()}
     rp.write_json(out_dir / "profile.json", result)
-    (out_dir / "profile.md").write_text(markdown(result) + "\n")
+    (out_dir / "profile.md").write_text("\n\n".join(f"### pass {p}\n\n{markdown(lv)}" for p, lv in levels.items())
+                                        + "\n")
     return result
 
 
-def markdown(result: dict) -> str:
-    levels = result["levels"]
+def markdown(levels: dict) -> str:
+    """One pass's tables."""
     cs = sorted(levels, key=int)
     rows = []
     names = list(next(iter(levels.values()))["phases_ms_per_step"])
@@ -185,6 +202,6 @@ def markdown(result: dict) -> str:
         lines.append(f"| {label} | " + " | ".join("–" if levels[c][k] is None else f.format(levels[c][k])
                                                    for c in cs) + " |")
     for thr in ("engine_loop", "uvicorn", "other"):
-        lines.append(f"| CPU s / wall s: {thr} | " + " | ".join(f"{levels[c]['cpu_share_of_wall'][thr]:.2f}"
+        lines.append(f"| CPU s / span s: {thr} | " + " | ".join(f"{levels[c]['cpu_share_of_wall'][thr]:.2f}"
                                                                 for c in cs) + " |")
     return "\n".join(lines)
