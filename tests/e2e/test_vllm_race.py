@@ -133,3 +133,30 @@ def test_generated_checkpoint_greedy_tokens_match_phaseserve(tmp_path):
         for _ in range(8):
             toks.append(int(ps.forward(params, cfg, jnp.array([toks]))[0, -1].argmax()))
         assert toks[len(p):] == w
+
+
+def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
+    from types import SimpleNamespace
+
+    from lab.bench import race_profile as rpf
+
+    class Obj:
+        def work(self, dt):
+            return dt
+
+    timers, obj = rpf.Timers(), Obj()
+    timers.wrap(obj, "work", "prefill.run")
+    assert obj.work(5) == 5  # the wrapped method still returns its value
+    timers.events = [("drain", 0.0, 10.0), ("step", 10.0, 2.0), ("prefill.run", 10.0, 1.5),
+                     ("decode.step", 11.5, 0.4), ("drain", 12.0, 0.5), ("drain", 30.0, 5.0)]
+    timers.clip(9.0, 13.0)  # the idle waits before 9 s and after 13 s are cut off
+    assert timers.seconds["drain"] == pytest.approx(1.0 + 0.5) and timers.calls["drain"] == 2
+    finished = [SimpleNamespace(ttft=0.2, received=9.0, arrival=9.01), SimpleNamespace(ttft=0.4, received=9.5,
+                                                                                       arrival=9.6)]
+    bench = {"ttft_p50_ms": 350.0, "tpot_p50_ms": 5.0, "output_tok_per_s": 100.0}
+    lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
+    assert lv["phases_share"]["prefill.run"] == pytest.approx(1.5 / 4)
+    assert lv["phases_ms_per_step"]["step (rest)"] == pytest.approx(1e3 * (2.0 - 1.5 - 0.4))
+    assert lv["phases_share"]["loop (rest)"] == pytest.approx((4.0 - 1.5 - 2.0) / 4)
+    assert lv["engine_ttft_ms_p50"] == pytest.approx(300.0) and lv["inbox_wait_ms_p50"] == pytest.approx(55.0)
+    assert "| prefill.run | 1500.000 (38%) |" in rpf.markdown({1: lv})
