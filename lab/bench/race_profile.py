@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+
 from lab.bench import report as rp
 from lab.bench.http_load import thread_cpu_s
 
@@ -136,8 +139,12 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     from phaseserve.server.app import create_app
     from phaseserve.server.launch import build_backend, compose, start_in_thread, tokenizer_of
 
-    cfg = compose([f"model.checkpoint={ckpt}", f"model.name={name}", f"experiment.model_name={name}",
-                   *spec.phaseserve_overrides])
+    overrides = [f"model.checkpoint={ckpt}", f"model.name={name}", f"experiment.model_name={name}",
+                 *spec.phaseserve_overrides]
+    if GlobalHydra.instance().is_initialized():  # inside the experiment's @hydra.main: the same configs/ directory
+        cfg = hydra.compose(config_name="server", overrides=overrides)
+    else:
+        cfg = compose(overrides)
     setup_jax(cfg)
     tok = tokenizer_of(cfg)
     backend = build_backend(cfg)
