@@ -1,0 +1,214 @@
+"""Where phaseserve's milliseconds go under ``vllm bench serve`` (issue 44): the server in this process, its engine
+loop's phases timed, at each concurrency of the vllm_race experiment (``experiment.profile=true``).
+
+The server is built as ``python -m phaseserve.server`` builds it (``configs/server.yaml`` with the experiment's
+``phaseserve_overrides`` and the generated checkpoint) and served by uvicorn in a thread of this process; ``vllm
+bench serve`` (its own process) drives it exactly as in the comparison. :class:`Timers` wraps, on the live instances
+only (no library code changes), the engine loop's phases: draining the HTTP inbox (``drain``, which includes the
+loop's blocking wait while idle), ``schedule`` and ``plan_chunks`` (the scheduler), the prefill device call
+(``prefill.run``: padding to a bucket, the jitted forward, the first token back to the host) and the handoff of its
+KV to the decode pool (``handoff``), the decode step (``decode.step``: building the batch, the jitted step, the
+tokens back to the host), the rest of ``Engine.step`` (emitting tokens, finishing requests), handing tokens to the
+HTTP handlers (``deliver``) and the ``/metrics`` gauges (``on_step``). Per level it reports each phase's
+milliseconds per engine step and its share of the loop thread's wall time, the CPU seconds of the loop thread, of
+uvicorn's thread and of every other thread (XLA's pools), and per request the wait in the inbox (received ->
+arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+
+from lab.bench import report as rp
+from lab.bench.http_load import thread_cpu_s
+
+PHASES = ("drain", "schedule", "plan_chunks", "prefill.run", "handoff", "decode.step", "deliver", "on_step")
+
+
+class Timers:
+    """Wall seconds and calls per phase; :meth:`wrap` times one method of one live object."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.durations: dict[str, list[float]] = {}
+        self.rows = 0  # decode rows over every decode step
+        self.events: list[tuple[str, float, float]] = []  # (phase, start, seconds) of every timed call
+
+    def wrap(self, obj: Any, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.events.append((name, t0, time.perf_counter() - t0))
+
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        self.events, self.rows = [], 0
+
+    def clip(self, start: float, end: float) -> None:
+        """Totals, calls and durations of the calls that overlap ``[start, end]``, each total cut to it (the idle
+        wait before the first request and after the last is not the server's time)."""
+        self.seconds, self.calls, self.durations = {}, {}, {}
+        for name, t0, dt in self.events:
+            a, b = max(t0, start), min(t0 + dt, end)
+            if b <= a and not start <= t0 <= end:
+                continue
+            self.seconds[name] = self.seconds.get(name, 0.0) + max(b - a, 0.0)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.durations.setdefault(name, []).append(dt)
+
+
+def instrument(loop: Any, timers: Timers, finished: list) -> None:
+    """Wrap the loop's and its engine's phases (see the module docstring); finished requests' metrics go to
+    ``finished``."""
+    engine = loop.backend.engine
+    timers.wrap(loop, "_drain", "drain")
+    timers.wrap(loop, "_deliver", "deliver")
+    if loop.on_step is not None:
+        timers.wrap(loop, "on_step", "on_step")
+    timers.wrap(engine, "step", "step")
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine.scheduler, "plan_chunks", "plan_chunks")
+    timers.wrap(engine.prefill, "run", "prefill.run")
+    timers.wrap(engine, "_hand_off", "handoff")
+    step = engine.decode.step
+
+    def counted(rows, *a, **kw):
+        timers.rows += len(rows)
+        return step(rows, *a, **kw)
+
+    engine.decode.step = counted
+    timers.wrap(engine.decode, "step", "decode.step")
+    finish = engine._finish
+
+    def on_finish(seq, reason, error=None):
+        finish(seq, reason, error)
+        finished.append(seq.output.metrics)
+
+    engine._finish = on_finish
+
+
+def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, float], bench: dict) -> dict:
+    """One concurrency's numbers (see the module docstring)."""
+    steps = timers.calls.get("step", 0)
+    step_s = timers.seconds.get("step", 0.0)
+    inner = {p: timers.seconds.get(p, 0.0) for p in ("schedule", "plan_chunks", "prefill.run", "handoff",
+                                                     "decode.step")}
+    phases = {**{p: timers.seconds.get(p, 0.0) for p in PHASES}, "step (rest)": step_s - sum(inner.values())}
+    phases["loop (rest)"] = wall_s - sum(phases.values())
+    ms = lambda xs: 1e3 * statistics.median(xs) if xs else None  # noqa: E731
+    ttft = [m.ttft for m in finished if m.ttft is not None]
+    inbox = [m.arrival - m.received for m in finished if m.received is not None]
+    return {
+        "wall_s": wall_s, "steps": steps, "requests": len(finished),
+        "phases_ms_per_step": {p: 1e3 * s / max(steps, 1) for p, s in phases.items()},
+        "phases_share": {p: s / wall_s for p, s in phases.items()},
+        "calls": dict(timers.calls),
+        "step_ms_p50": ms(timers.durations.get("step", [])),
+        "prefill_run_ms_p50": ms(timers.durations.get("prefill.run", [])),
+        "decode_step_ms_p50": ms(timers.durations.get("decode.step", [])),
+        "decode_rows_mean": timers.rows / max(timers.calls.get("decode.step", 0), 1),
+        "inbox_wait_ms_p50": ms(inbox), "engine_ttft_ms_p50": ms(ttft),
+        "client_ttft_ms_p50": bench["ttft_p50_ms"], "client_tpot_ms_p50": bench["tpot_p50_ms"],
+        "output_tok_per_s": bench["output_tok_per_s"],
+        "cpu_s": cpu, "cpu_share_of_wall": {k: v / wall_s for k, v in cpu.items()},
+    }
+
+
+def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int = 2) -> dict:
+    """Serve ``ckpt`` in-process, instrumented; ``vllm bench serve`` at each concurrency: pass 0 as the comparison
+    runs it (an untimed warm-up run at the level, then the timed one: shapes not met in the warm-up compile inside
+    it), then ``passes - 1`` more timed passes over the levels with every shape met before already compiled.
+    Returns and writes ``profile.json`` and ``profile.md`` into ``out_dir``."""
+    from lab.bench import vllm_race as vr
+    from lab.bench.schema import setup_jax
+    from phaseserve.server.app import create_app
+    from phaseserve.server.launch import build_backend, compose, start_in_thread, tokenizer_of
+
+    overrides = [f"model.checkpoint={ckpt}", f"model.name={name}", f"experiment.model_name={name}",
+                 *spec.phaseserve_overrides]
+    if GlobalHydra.instance().is_initialized():  # inside the experiment's @hydra.main: the same configs/ directory
+        cfg = hydra.compose(config_name="server", overrides=overrides)
+    else:
+        cfg = compose(overrides)
+    setup_jax(cfg)
+    tok = tokenizer_of(cfg)
+    backend = build_backend(cfg)
+    backend.engine.warm_handoff()
+    app = create_app(backend, tok, name, stream_interval=int(cfg.experiment.stream_interval))
+    server, thread, url = start_in_thread(app, port=spec.port_phaseserve, keep_alive_s=600.0)
+    timers, finished, levels = Timers(), [], {}
+    try:
+        loop = app.state.loops[0]
+        instrument(loop, timers, finished)
+        http_tid = thread.native_id
+        for pass_ in range(passes):
+            for c in spec.concurrency:
+                n = int(spec.prompts.get(str(c), 4 * c))
+                if pass_ == 0:
+                    vr.warm(spec, url, name, ckpt, c, out_dir / "raw" / f"profile_c{c}_warmup.json")
+                timers.reset()
+                finished.clear()
+                cpu0 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
+                bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed + pass_,
+                                      out_dir / "raw" / f"profile_p{pass_}_c{c}.json")
+                cpu1 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
+                start = min(m.received if m.received is not None else m.arrival for m in finished)
+                end = max(m.finished for m in finished)
+                timers.clip(start, end)
+                cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
+                lv = level_profile(timers, finished, end - start, cpu, bench)
+                levels.setdefault(pass_, {})[c] = lv
+                log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
+                    f"step p50 {lv['step_ms_p50']:.2f} ms, prefill.run p50 {lv['prefill_run_ms_p50']:.1f} ms")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    result = {"model": name, "checkpoint": str(ckpt), "overrides": list(spec.phaseserve_overrides),
+              "levels": levels, "cpu_count": os.cpu_count()}
+    rp.write_json(out_dir / "profile.json", result)
+    (out_dir / "profile.md").write_text("\n\n".join(f"### pass {p}\n\n{markdown(lv)}" for p, lv in levels.items())
+                                        + "\n")
+    return result
+
+
+def markdown(levels: dict) -> str:
+    """One pass's tables."""
+    cs = sorted(levels, key=int)
+    rows = []
+    names = list(next(iter(levels.values()))["phases_ms_per_step"])
+    for p in names:
+        rows.append([p, *[f"{levels[c]['phases_ms_per_step'][p]:.3f} ({100 * levels[c]['phases_share'][p]:.0f}%)"
+                          for c in cs]])
+    lines = ["| phase (ms per engine step, share of wall) | " + " | ".join(f"c={c}" for c in cs) + " |",
+             "|---|" + "---|" * len(cs), *["| " + " | ".join(map(str, r)) + " |" for r in rows], ""]
+    keys = [("output tok/s (client)", "output_tok_per_s", "{:.0f}"), ("engine steps", "steps", "{}"),
+            ("requests", "requests", "{}"), ("decode rows per step (mean)", "decode_rows_mean", "{:.1f}"),
+            ("step p50 ms", "step_ms_p50", "{:.2f}"), ("prefill.run p50 ms", "prefill_run_ms_p50", "{:.2f}"),
+            ("decode.step p50 ms", "decode_step_ms_p50", "{:.2f}"), ("inbox wait p50 ms", "inbox_wait_ms_p50",
+                                                                     "{:.2f}"),
+            ("engine TTFT p50 ms (arrival -> first token)", "engine_ttft_ms_p50", "{:.1f}"),
+            ("client TTFT p50 ms (vllm bench)", "client_ttft_ms_p50", "{:.1f}"),
+            ("client TPOT p50 ms (vllm bench)", "client_tpot_ms_p50", "{:.2f}")]
+    lines += ["| per level | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for label, k, f in keys:
+        lines.append(f"| {label} | " + " | ".join("–" if levels[c][k] is None else f.format(levels[c][k])
+                                                   for c in cs) + " |")
+    for thr in ("engine_loop", "uvicorn", "other"):
+        lines.append(f"| CPU s / span s: {thr} | " + " | ".join(f"{levels[c]['cpu_share_of_wall'][thr]:.2f}"
+                                                                for c in cs) + " |")
+    return "\n".join(lines)
