@@ -94,8 +94,9 @@ def use_compilation_cache(cfg: DictConfig) -> None:
 
 def warm_up(backends: list, mode: str) -> None:
     """Compile every shape the engines can run before the server answers ``/health`` (``Engine.warm_up``), and
-    say so: ``mode`` ``all``; ``none`` (only the handoff's chunk sizes); ``auto`` (default): ``all`` on an
-    accelerator, ``none`` on a CPU, where one shape of the default model compiles in ~20 s (a 2-core machine)."""
+    say so: ``mode`` ``all``; ``none`` (only the handoff's chunk sizes and the integrity tracker's tag-update
+    sizes, both cheap); ``auto`` (default): ``all`` on an accelerator, ``none`` on a CPU, where one shape of the
+    default model compiles in ~20 s (a 2-core machine)."""
     if mode not in ("auto", "all", "none"):
         raise ConfigError(f"experiment.warmup must be auto, all or none, got {mode!r}")
     import jax
@@ -108,7 +109,7 @@ def warm_up(backends: list, mode: str) -> None:
         if mode == "all":
             counts = e.warm_up()
         else:
-            counts = {"handoff_sizes": e.warm_handoff()}
+            counts = {"handoff_sizes": e.warm_handoff(), "tag_sync_sizes": e.decode.warm_tags()}
     if engines:
         what = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items())
         print(f"phaseserve: warm-up {mode}: compiled {what} per engine in {time.perf_counter() - t0:.1f} s"

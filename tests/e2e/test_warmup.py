@@ -72,3 +72,18 @@ def test_the_probe_sees_a_compile():
     jax.jit(lambda x: x * 3 + 1)(np.zeros(7, np.float32))
     probe.on = False
     assert probe.count >= 1
+
+
+def test_the_cpu_default_warm_up_still_compiles_the_tag_updates(tmp_path):
+    """``experiment.warmup=none`` (the CPU default) compiles the handoff's chunk sizes and the integrity tracker's
+    tag-update sizes, both cheap; a guidellm sweep on an INT4 server otherwise compiled ``jit(_set_tags)`` inside
+    its timed run. A pool of 13 pages gives tag arrays of a shape no other test compiles."""
+    from phaseserve.cache.integrity import _set_tags_donated
+    from phaseserve.server import EngineBackend
+    from phaseserve.server.launch import warm_up
+
+    _, cfg, params = make_checkpoint("llama", tmp_path, seed=3)
+    eng = ps.Engine(cfg, params, serve_config("colocated", page_size=16, num_pages=13, max_batch=2, max_context=64))
+    before = _set_tags_donated._cache_size()
+    warm_up([EngineBackend(eng)], "none")
+    assert _set_tags_donated._cache_size() - before == eng.decode.warm_tags() > 0
