@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  
 EPILOG = """\
 other arguments are Hydra overrides of configs/server.yaml, e.g.
   engine.mode=colocated quant=f32 mesh=single     one mesh, float32 weights and KV
-  experiment.backend=router                       prefill + decode server processes
+  experiment.backend=ray                          prefill + decode in two Ray actors
   mesh=single mesh.replicas=2 engine.mode=colocated
   cache.max_pages_per_seq=16                      cap the context (default: the model's)
 (see docs/server.md)"""

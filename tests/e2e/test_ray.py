@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
+import json
 import time
 
 import jax
+import numpy as np
 import openai
 import pytest
 import ray
@@ -240,3 +242,31 @@ def test_a_lost_pool_of_a_restarting_worker_requeues_what_emitted_nothing():
     assert out_b.finish_reason == "length" and out_b.tokens == alone
     engine.check_invariants()
     assert engine.allocator.num_used == 0 and engine.prefill.tables.allocator.num_used == 0
+
+
+def _post(base: str, path: str, body: dict) -> dict:
+    conn = http.client.HTTPConnection(base.split("//")[1].split(":")[0], int(base.rsplit(":", 1)[1]), timeout=300)
+    conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    status, out = r.status, json.loads(r.read())
+    conn.close()
+    assert status == 200, out
+    return out
+
+
+def test_scoring_and_logprobs_over_ray_equal_the_in_process_engine(deployment):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs, max_tokens=0) and generated tokens' logprobs come
+    back from the actors' jitted steps through Ray as the in-process engine computes them."""
+    ids = TOK.encode("def add(a, b):\n    return a + b\n", bos=True)
+    bodies = [{"model": MODEL, "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0},
+              {"model": MODEL, "prompt": "def mul(a, b):\n", "logprobs": 2, "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True}]
+    for body in bodies:
+        got, want = (_post(deployment[b], "/v1/completions", body)["choices"][0] for b in ("base", "ref_base"))
+        assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        g, w = (np.array([np.nan if v is None else v for v in c["logprobs"]["token_logprobs"]]) for c in (got, want))
+        assert len(g) == (len(ids) if body["max_tokens"] == 0 else 6) and np.isfinite(g[-1])
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        assert [sorted(d) for d in got["logprobs"]["top_logprobs"][1:]] == \
+               [sorted(d) for d in want["logprobs"]["top_logprobs"][1:]]
+    _in_loop(deployment["app"], _no_leaks)

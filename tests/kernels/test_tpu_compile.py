@@ -128,7 +128,11 @@ def test_engine_step_compiles_for_tpu(phase, weights, kv):
         assert ops == {"flash_prefill", "fp8_grouped_matmul", "fp8_matmul"}
     assert st["mosaic_calls"] >= 2
     assert st["argument_bytes"] == st["args_padded_bytes"] >= st["args_logical_bytes"] > 0
-    assert st["temp_bytes"] > 0 and st["code_bytes"] > 0
+    assert st["code_bytes"] > 0 and st["output_bytes"] > 0  # memory_analysis is filled in
+    # temp_bytes is not asserted: the decode step reported 3,128,832 temp bytes before the logprob outputs were added
+    # (2026-12-05) and 0 after, also with the logprob computation replaced by constant zeros (same flops, 4.6 KB
+    # more output): libtpu's figure moved with the outputs' count, not with the work (unexplained; noted in
+    # docs/tpu_compile.md)
     if phase == "decode":
         check = steps.compile_check(spec, out["mesh"], 32)
         assert check["argument_bytes"] > 0
