@@ -475,8 +475,9 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
             if body.echo:
                 ids, entries = g.req.prompt + ids, out.prompt_logprobs + entries
             lp = completion_logprobs(tokenizer, ids, entries)
+        ids = {"prompt_token_ids": list(g.req.prompt), "token_ids": list(g.text.ids)} if body.return_token_ids else {}
         return {"index": i, "text": echo + text, "logprobs": lp, "finish_reason": g.finish_reason,
-                "seed": g.req.seed}
+                "seed": g.req.seed, **ids}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):

@@ -151,7 +151,8 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either (one choice per
     prompt and ``n``, ``index = prompt * n + j``). ``echo`` prepends the prompt to each choice's text (and, with
     ``logprobs``, its tokens' logprobs: the first token's is null); ``max_tokens=0`` with ``echo`` scores the prompt
-    without generating (lm-eval's loglikelihood requests)."""
+    without generating (lm-eval's loglikelihood requests). ``return_token_ids`` (vLLM's extension) adds each choice's
+``prompt_token_ids`` and generated ``token_ids`` (up to a stop string, as its text)."""
 
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds],
                                                                                    Field(min_length=1)]
@@ -161,6 +162,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: a string prompt's <bos> (as the model was trained); false: text only
+    return_token_ids: bool = False  # vLLM: each choice also carries prompt_token_ids and token_ids (not streamed)
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -170,6 +172,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.stream and self.logprobs is not None:
             raise ValueError("logprobs with stream is not supported: send stream=false")
+        if self.stream and self.return_token_ids:
+            raise ValueError("return_token_ids with stream is not supported: send stream=false")
         return self
 
     @property

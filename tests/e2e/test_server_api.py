@@ -145,6 +145,7 @@ def test_chat_logprobs(server):
     ({"prompt": "x", "logprobs": 1, "stream": True}, "logprobs with stream"),
     ({"prompt": [], "max_tokens": 1}, "prompt"),
     ({"prompt": [[1], []], "max_tokens": 1}, "prompt"),
+    ({"prompt": "x", "return_token_ids": True, "stream": True}, "return_token_ids with stream"),
 ])
 def test_completion_field_refusals(server, body, needle):
     status, r = post(server, "/v1/completions", body)
@@ -263,3 +264,17 @@ def test_stop_token_ids_and_min_tokens_are_honoured(server):
     assert held["choices"][0]["text"][:5] == r["choices"][0]["text"][:5]
     status, err = post(server, "/v1/completions", {**base, "presence_penalty": 1.0})
     assert status == 400 and "presence_penalty" in err["error"]["message"]
+
+
+def test_return_token_ids_gives_the_prompt_and_the_generated_ids(server):
+    """vLLM's ``return_token_ids`` (what ``experiments/vllm_race.py`` compares greedy tokens by): the ids are the
+    ones the text and the logprobs describe."""
+    prompt = [TOK.bos_id, *TOK.encode("def add(a, b):\n")]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    status, r = post(server, "/v1/completions", {**body, "return_token_ids": True})
+    c = r["choices"][0]
+    assert status == 200 and c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 6
+    assert TOK.decode(c["token_ids"]) == c["text"]
+    assert c["token_ids"] == [TOK.encode(t)[0] for t in c["logprobs"]["tokens"]]
+    status, plain = post(server, "/v1/completions", body)
+    assert "token_ids" not in plain["choices"][0] and plain["choices"][0]["text"] == c["text"]
