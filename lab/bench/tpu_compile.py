@@ -46,7 +46,7 @@ from phaseserve.cache.paged import init_pool, value_dtype
 from phaseserve.config import ModelConfig, canonical_dtype
 from phaseserve.engine.decode import DecodeBatch
 from phaseserve.engine.prefill import ChunkBatch
-from phaseserve.engine.workers import bucket, chunk_step_jit, decode_step_jit, width_bucket
+from phaseserve.engine.workers import bucket, chunk_bucket, chunk_step_jit, decode_step_jit, width_bucket
 from phaseserve.quant.quantize import abstract_quantized, named_leaves, shape_dtype_tree, tensor_class
 from phaseserve.sharding import make_mesh, param_shardings, pool_shardings, replicated
 
@@ -250,7 +250,7 @@ def build_step(spec: StepSpec, cfg: ModelConfig, mesh, num_pages: int,
     step = chunk_step_jit(cfg, mesh, jax.tree.map(lambda a: a.sharding, pool), matmul_impl="pallas",
                           attn_impl="pallas", log=log)
     width = bucket(-(-spec.chunk // spec.page_size), 4)
-    return step, (params, pool, chunk_batch(mesh, bucket(spec.batch), bucket(spec.chunk, 16), width))
+    return step, (params, pool, chunk_batch(mesh, bucket(spec.batch), chunk_bucket(spec.chunk), width))
 
 
 def compile_step(spec: StepSpec, num_layers: int, num_pages: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from phaseserve.config_hydra import LengthSpec, as_list, max_length
 from phaseserve.engine import Engine, Request
-from phaseserve.engine.workers import bucket
+from phaseserve.engine.workers import bucket, chunk_bucket
 
 ARRIVALS = ("closed", "burst", "poisson")
 
@@ -163,7 +163,7 @@ def warmup(engine: Engine, workload: Any, max_concurrency: int, vocab_size: int)
     engine.warm_handoff()
     lo, hi = min_length(workload.prompt), max_length(workload.prompt)
     new_tokens = max(3, max_length(workload.output))
-    t_buckets = sorted({bucket(n, 16) for n in range(lo, hi + 1)})
+    t_buckets = sorted({chunk_bucket(n) for n in range(lo, hi + 1)})
     runs = 0
     for t in t_buckets:
         length = min(t, hi)

@@ -60,6 +60,15 @@ def width_bucket(n: int, lo: int = 4) -> int:
     return max(lo, w * 3 // 4) if w * 3 // 4 >= n else w
 
 
+def chunk_bucket(n: int) -> int:
+    """Padded length of a prefill chunk of ``n`` tokens: a multiple of 16 up to 128, then a quarter-octave step
+    (160, 192, 224, 256, 320, ...): the next multiple of ``max(16, bucket(n) / 8)``. A power of two pads a prompt of
+    2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most a quarter of the
+    chunk (a fifth above 128 tokens), at four compiled lengths per octave."""
+    g = max(16, bucket(n) // 8)
+    return max(16, -(-n // g) * g)
+
+
 def batch_buckets(max_rows: int) -> list[int]:
     """The padded batch sizes of up to ``max_rows`` rows: 1, 2, 4, .. bucket(max_rows)."""
     return [1 << i for i in range(bucket(max_rows).bit_length())]
@@ -161,7 +170,7 @@ def chunk_groups(chunks: list[Chunk], max_prefill_tokens: int) -> list[list[Chun
     """Batches of similar chunk lengths whose padded size stays within ``max_prefill_tokens``."""
     groups, cur = [], []
     for ch in sorted(chunks, key=lambda c: c.n):
-        t = bucket(ch.n, 16)
+        t = chunk_bucket(ch.n)
         if cur and bucket(len(cur) + 1) * t > max(max_prefill_tokens, t):
             groups.append(cur)
             cur = []
@@ -170,10 +179,10 @@ def chunk_groups(chunks: list[Chunk], max_prefill_tokens: int) -> list[list[Chun
 
 
 def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> ChunkBatch:
-    """The host inputs of one chunk step for ``group`` (padded to a power of two rows and chunk length; the page
-    table as wide as the longest chunk needs, bucketed; ``targets``: each position's next prompt token for the rows
-    that asked for prompt logprobs, else -1)."""
-    b, c = bucket(len(group)), bucket(max(ch.n for ch in group), 16)
+    """The host inputs of one chunk step for ``group`` (padded to a power of two rows and :func:`chunk_bucket`
+    tokens; the page table as wide as the longest chunk needs, bucketed; ``targets``: each position's next prompt
+    token for the rows that asked for prompt logprobs, else -1)."""
+    b, c = bucket(len(group)), chunk_bucket(max(ch.n for ch in group))
     need = max(-(-(ch.start + ch.n) // page_size) for ch in group)
     pt, _, _ = tables.batch([ch.id for ch in group], pad_to=b)
     pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
@@ -215,9 +224,11 @@ def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, 
     chunks of up to ``max_chunk`` tokens of requests holding up to ``max_pages`` pages (:func:`chunk_groups` keeps
     rows x chunk within ``max_prefill_tokens``; a chunk of ``c`` tokens past a prefix or an earlier chunk may need
     any wider table)."""
-    cap, out = min(tables.page_table.shape[1], max_pages), []
-    for c in (16 << i for i in range(bucket(max(max_chunk, 16), 16).bit_length() - 4)):
-        least = -(-(c // 2 + 1 if c > 16 else 1) // page_size)  # pages of the shortest chunk padded to c
+    cap, out, shortest = min(tables.page_table.shape[1], max_pages), [], {}
+    for n in range(max(max_chunk, 1), 0, -1):  # each padded length's shortest chunk
+        shortest[chunk_bucket(n)] = n
+    for c in sorted(shortest):
+        least = -(-shortest[c] // page_size)  # pages of the shortest chunk padded to c
         widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
         for b in batch_buckets(max_rows):
             if b * c <= max(max_prefill_tokens, c):

@@ -1,0 +1,38 @@
+"""Padded prefill shapes: :func:`chunk_bucket` (a chunk's padded length) wastes at most a quarter of what it pads,
+and :func:`prefill_shapes` (what ``Engine.warm_up`` compiles) lists every shape a chunk group is padded to."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phaseserve.engine.workers import bucket, chunk_bucket, prefill_shapes
+
+
+def test_chunk_bucket_pads_little_and_compiles_four_lengths_per_octave():
+    padded = [chunk_bucket(n) for n in range(1, 8193)]
+    assert chunk_bucket(129) == 160 and chunk_bucket(128) == 128 and chunk_bucket(1) == 16  # was 256 for 129
+    for n, c in enumerate(padded, start=1):
+        assert c >= n and c % 16 == 0 and c - n <= max(15, c // 5), (n, c)
+    assert padded == sorted(padded)  # monotone
+    for k in range(7, 13):  # (2^(k-1), 2^k]: four lengths
+        assert len({c for n, c in enumerate(padded, start=1) if 2 ** (k - 1) < n <= 2 ** k}) == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_chunk=st.integers(1, 700), page_size=st.sampled_from([4, 16]), n=st.integers(1, 700),
+       start=st.integers(0, 300), rows=st.integers(1, 8), budget=st.sampled_from([256, 1024, 2048]))
+def test_every_padded_group_shape_is_warmed(max_chunk, page_size, n, start, rows, budget):
+    """A group of ``rows`` chunks of up to ``n`` tokens after ``start`` cached ones (``chunk_batch``'s padding)."""
+    n = min(n, max_chunk)
+    c = chunk_bucket(n)
+    while rows > 1 and bucket(rows) * c > budget:  # chunk_groups keeps padded rows x chunk within the budget
+        rows -= 1
+    cap = -(-(max_chunk + start) // page_size) + 1
+    tables = SimpleNamespace(page_table=np.zeros((1, cap), np.int32))
+    shapes = set(prefill_shapes(tables, page_size, budget, 8, max_chunk, cap))
+    need = -(-(start + n) // page_size)
+    assert (bucket(rows), c, min(bucket(need, 4), cap)) in shapes
