@@ -115,7 +115,7 @@ def _batched_ffn(p: MoEParams, xb: jax.Array, **dot_kw: Any) -> jax.Array:
     return jnp.einsum("ecf,efd->ecd", h.astype(xb.dtype), w_down, **dot_kw)
 
 
-CAPACITY_MIN_MEAN = 64  # mean assignments per expert from which the CPU dispatch adds the capacity part
+CAPACITY_MIN_MEAN = 16  # mean assignments per expert from which the CPU dispatch adds the capacity part
 CAPACITY_FACTOR = 1.25  # capacity rows per expert over the mean (rounded up to a multiple of 8)
 CAPACITY_MAX_BYTES = 256 << 20  # the most expert-weight bytes the capacity part may materialize (dequantized)
 
@@ -123,9 +123,11 @@ CAPACITY_MAX_BYTES = 256 << 20  # the most expert-weight bytes the capacity part
 def capacity_rows(num_assignments: int, num_experts: int) -> int:
     """Rows per expert of :func:`blocked_experts`' batched capacity part: 0 (blocks only) below
     ``CAPACITY_MIN_MEAN`` mean assignments per expert, else ``CAPACITY_FACTOR`` times the mean, rounded up to a
-    multiple of 8. Side by side on XLA:CPU (``python -m lab.bench.moe_dispatch``,
-    ``benchmarks/engine/moe_dispatch``) the capacity part took 0.71x-0.82x of the blocks' time from 512 to 4,096
-    tokens on the ~15M shape (E=16, k=2); at decode sizes the batched FFN over all experts was slower."""
+    multiple of 8. Side by side on XLA:CPU (``python -m lab.bench.moe_dispatch``, ``benchmarks/engine/moe_dispatch``)
+    the capacity part took 0.71x-0.82x of the blocks' time from 512 to 4,096 tokens on the ~15M shape (E=16, k=2)
+    (``xeon_260mb``), and 0.84x-0.95x (medians) at the means of 16 and 32 assignments per expert that the threshold
+    of 16 newly sends to it (64 and 128 tokens of the default model, 128 and 256 of the ~15M shape; ``epyc_small``,
+    where 32-token batches, a mean of 8, stay on the blocks)."""
     mean = num_assignments / num_experts
     return 0 if mean < CAPACITY_MIN_MEAN else int(8 * np.ceil(CAPACITY_FACTOR * mean / 8))
 

@@ -109,7 +109,7 @@ def test_choose_dispatch():
     assert M.choose_dispatch(1, MLA, "gpu") is M.ragged_experts
     assert M.choose_dispatch(1, MLA, "tpu") is M.ragged_experts
     assert [M.block_rows(m, 16) for m in (2, 64, 8192)] == [4, 8, 128]
-    assert [M.capacity_rows(m, 16) for m in (64, 1023, 1024, 8192)] == [0, 0, 80, 640]
+    assert [M.capacity_rows(m, 16) for m in (64, 255, 256, 1024, 8192)] == [0, 0, 24, 80, 640]
 
 
 def _batch(cfg, b, pages_per_row, num_pages, rng):
