@@ -133,6 +133,21 @@ def test_generated_checkpoint_greedy_tokens_match_phaseserve(tmp_path):
         for _ in range(8):
             toks.append(int(ps.forward(params, cfg, jnp.array([toks]))[0, -1].argmax()))
         assert toks[len(p):] == w
+    # the experiment's greedy check through a phaseserve server: by token ids (vLLM's return_token_ids)
+    from phaseserve.data.tokenizer import load_tokenizer
+    from phaseserve.server import EngineBackend, create_app
+    from phaseserve.server.launch import start_in_thread
+
+    serve = ps.ServeConfig(mode="colocated", quant=ps.QuantConfig("float32", "float32", "float32", "float32"),
+                           cache=ps.CacheConfig(page_size=8, num_pages=32, max_pages_per_seq=8), max_batch=2)
+    tok = load_tokenizer(ckpt)
+    srv, thread, base = start_in_thread(create_app(EngineBackend(ps.Engine(cfg, params, serve)), tok, "m"))
+    try:
+        check = vr.greedy_check(base, "m", prompts, want, tok.decode)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+    assert check["by"] == "token_ids" and check["all_equal"], check
 
 
 def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
