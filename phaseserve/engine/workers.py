@@ -36,6 +36,7 @@ from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
 from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.engine.compiled import ShapeCache, abstract, pad_rows
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
@@ -218,6 +219,31 @@ def warm_decode_inputs(b: int, w: int) -> tuple[DecodeBatch, tuple]:
     return batch, (pt, expected, live)
 
 
+def pad_chunk_batch(batch: ChunkBatch, b: int, c: int, w: int) -> ChunkBatch:
+    """``batch`` padded to ``b`` rows, ``c`` tokens and ``w`` pages (padding rows and tokens are not valid; the
+    valid rows' results are unchanged): to run it on a larger compiled shape (:class:`ShapeCache`)."""
+    starts = pad_rows(batch.positions[:, 0], b)
+    return batch.replace(
+        tokens=pad_rows(batch.tokens, b, c), positions=starts[:, None] + np.arange(c, dtype=np.int32),
+        valid=pad_rows(batch.valid, b, c, False), lengths=pad_rows(batch.lengths, b), last=pad_rows(batch.last, b),
+        page_table=pad_rows(batch.page_table, b, w), targets=pad_rows(batch.targets, b, c, -1),
+        want_prompt=pad_rows(batch.want_prompt, b, fill=False), temperature=pad_rows(batch.temperature, b),
+        top_k=pad_rows(batch.top_k, b), top_p=pad_rows(batch.top_p, b, fill=1.0), seeds=pad_rows(batch.seeds, b),
+        steps=pad_rows(batch.steps, b), want_logprobs=pad_rows(batch.want_logprobs, b, fill=False))
+
+
+def pad_decode_inputs(batch: DecodeBatch, check: tuple, b: int, w: int) -> tuple[DecodeBatch, tuple]:
+    """A decode batch and its integrity check's inputs padded to ``b`` rows and ``w`` pages (padding rows are not
+    active and hold no live page)."""
+    pt, expected, live = pad_rows(check[0], b, w), pad_rows(check[1], b, w), pad_rows(check[2], b)
+    batch = batch.replace(
+        tokens=pad_rows(batch.tokens, b), positions=pad_rows(batch.positions, b), page_table=pt,
+        active=pad_rows(batch.active, b, fill=False), temperature=pad_rows(batch.temperature, b),
+        top_k=pad_rows(batch.top_k, b), top_p=pad_rows(batch.top_p, b, fill=1.0), seeds=pad_rows(batch.seeds, b),
+        steps=pad_rows(batch.steps, b), want_logprobs=pad_rows(batch.want_logprobs, b, fill=False))
+    return batch, (pt, expected, live)
+
+
 def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, max_rows: int, max_chunk: int,
                    max_pages: int) -> list[tuple[int, int, int]]:
     """Every ``(rows, chunk, page-table width)`` a prefill group can be padded to, for groups of up to ``max_rows``
@@ -289,6 +315,8 @@ class PrefillWorker:
         self.kernels: collections.Counter = collections.Counter()  # kernel provenance (kernel_mesh.provenance_rows)
         self._chunk = chunk_step_jit(cfg, mesh, self._pool_sharding, matmul_impl=matmul_impl, attn_impl=attn_impl,
                                      log=self.kernels)
+        self.steps = ShapeCache(self._chunk, "prefill")  # (rows, chunk, width) -> compiled; new shapes off-path
+        self._abstract = abstract((self.params, self.pool))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
@@ -320,10 +348,17 @@ class PrefillWorker:
         first, gen, prompt = self.run_batch(chunk_batch(self.tables, self.page_size, group))
         return first[: len(group)], gen, prompt
 
-    def run_batch(self, batch: ChunkBatch) -> tuple[np.ndarray, tuple | None, tuple | None]:
+    def run_batch(self, batch: ChunkBatch, exact: bool = False) -> tuple[np.ndarray, tuple | None, tuple | None]:
         """The device half of :meth:`run`: one jitted chunk step; the sampled tokens i32[B] and the logprob arrays
-        (fetched only when a row asked) on the host."""
-        first, self.pool, gen, prompt = self._chunk(self.params, self.pool, batch)
+        (fetched only when a row asked) on the host. A padded shape not compiled yet runs on a larger compiled one
+        while it compiles in the background (:class:`~phaseserve.engine.compiled.ShapeCache`); ``exact``: compile
+        this shape now if needed (warm-up)."""
+        key = (*batch.tokens.shape, batch.page_table.shape[1])
+        use = key if exact else self.steps.choose(key, lambda k: (*self._abstract, abstract(warm_chunk_batch(*k))))
+        if use != key:
+            batch = pad_chunk_batch(batch, *use)
+        step = self.steps.executable(use, (self.params, self.pool, batch))
+        first, self.pool, gen, prompt = step(self.params, self.pool, batch)
         gen = jax.device_get(gen) if batch.want_logprobs.any() else None
         prompt = jax.device_get(prompt) if batch.want_prompt.any() else None
         return np.asarray(first), gen, prompt
@@ -334,7 +369,7 @@ class PrefillWorker:
 
     def warm(self, b: int, c: int, w: int) -> None:
         """Compile the chunk step at one padded shape (nothing valid: no page is written)."""
-        self.run_batch(warm_chunk_batch(b, c, w))
+        self.run_batch(warm_chunk_batch(b, c, w), exact=True)
 
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
@@ -393,6 +428,8 @@ class DecodeWorker:
         self.kernels: collections.Counter = collections.Counter()  # kernel provenance (kernel_mesh.provenance_rows)
         self._decode = decode_step_jit(cfg, mesh, self._pool_sharding, hooks=hooks, matmul_impl=matmul_impl,
                                        attn_impl=attn_impl, log=self.kernels)
+        self.steps = ShapeCache(self._decode, "decode")  # (rows, width) -> compiled; new shapes off the serving path
+        self._abstract = abstract((self.params, self.pool))
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
@@ -450,19 +487,34 @@ class DecodeWorker:
         self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
         return nxt[: len(rows)], failures, device_s, lps
 
-    def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str]) -> tuple[np.ndarray, dict, float, Any]:
+    def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str], exact: bool = False,
+                  ) -> tuple[np.ndarray, dict, float, Any]:
         """The device half of :meth:`step`: the integrity check (``check`` = page table, expected tags, live pages)
-        and the jitted step; (next tokens i32[B], failures by id, device seconds, logprob arrays or None)."""
+        and the jitted step; (next tokens i32[B], failures by id, device seconds, logprob arrays or None). A shape
+        not compiled yet runs on a larger compiled one meanwhile, as :meth:`PrefillWorker.run_batch`."""
+        key = batch.page_table.shape
+        use = key if exact else self.steps.choose(key, self._abstract_step)
+        if use != key:
+            batch, check = pad_decode_inputs(batch, check, *use)
         pt, expected, live = check
         b = len(batch.tokens)
         t0 = time.perf_counter()
         ok = self.tracker.check(pt, expected, live)
-        nxt, self.pool, finite, lps = self._decode(self.params, self.pool, batch, ok)
+        step = self.steps.executable(use, (self.params, self.pool, batch, ok))
+        nxt, self.pool, finite, lps = step(self.params, self.pool, batch, ok)
         lps = lps if batch.want_logprobs.any() else None
         nxt, ok_h, finite_h, lps = jax.device_get((nxt, ok, finite, lps))
         device_s = time.perf_counter() - t0
         failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
         return np.asarray(nxt), failures, device_s, lps
+
+    def _abstract_step(self, key: tuple[int, int]) -> tuple:
+        """The decode step's arguments at padded shape ``key`` as ``jax.ShapeDtypeStruct`` trees (``ok`` as the
+        integrity check returns it, placed on the decode mesh)."""
+        batch, _ = warm_decode_inputs(*key)
+        ok = (None if isinstance(self.tracker, NoopTracker)
+              else jax.ShapeDtypeStruct((key[0],), np.bool_, sharding=replicated(self.mesh)))
+        return (*self._abstract, abstract(batch), ok)
 
     def shapes(self, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
         """Every padded ``(rows, page-table width)`` :meth:`step` can use (:func:`decode_shapes`)."""
@@ -472,7 +524,7 @@ class DecodeWorker:
         """Compile the integrity check and the decode step at one padded shape (padding rows only: nothing is
         written)."""
         batch, check = warm_decode_inputs(b, w)
-        self.run_batch(batch, check, [])
+        self.run_batch(batch, check, [], exact=True)
 
     def warm_tags(self) -> int:
         """Compile the integrity tracker's tag updates at every padded size (the number of sizes)."""

@@ -1,0 +1,117 @@
+"""A jitted step's executables by padded shape, compiled off the serving path.
+
+The engine pads every prefill group and decode batch to a bucketed shape, and a jitted step compiles once per
+shape: seconds on a CPU, and every request in flight waits for it when a shape is first met while serving.
+:class:`ShapeCache` keeps each shape's ahead-of-time compiled executable (``jit(...).lower(...).compile()``). A
+shape met for the first time runs on the smallest ready shape that covers it (at least as large in every padded
+dimension; the batch is padded further, which changes no valid row's result) while a background thread compiles
+the exact shape from abstract arguments; later calls use it once it is ready. Only when no ready shape covers it
+does the caller compile it in place, as before. ``Engine.warm_up`` compiles shapes in place (``exact``), so a
+warmed server never compiles while serving.
+
+    cache = ShapeCache(step, "prefill")
+    use = cache.choose(key, abstract)   # key itself, or a ready cover (``abstract(key)`` queued for compiling)
+    exe = cache.executable(use, concrete_args)   # compiled in place when ``use`` is not ready
+
+Counters (``stats``): ``exact`` (a ready executable of the shape), ``cover`` (ran on a larger ready shape),
+``inline`` (compiled in the caller), ``background`` (compiled by the background thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+Key = tuple[int, ...]
+
+
+class ShapeCache:
+    """Compiled executables of one jitted ``step`` by padded-shape key (a tuple of ints, larger = more padding)."""
+
+    def __init__(self, step: Any, name: str, background: bool = True):
+        self.step, self.name = step, name
+        self._ready: dict[Key, Any] = {}
+        self._pending: set[Key] = set()
+        self._lock = threading.Lock()
+        self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"phaseserve-compile-{name}")
+                      if background else None)
+        self.stats: collections.Counter = collections.Counter()
+        self.errors: list[tuple[Key, BaseException]] = []  # background compiles that raised (the key compiles in
+        # place when next met)
+
+    def ready(self, key: Key) -> bool:
+        return key in self._ready
+
+    def cover(self, key: Key) -> Key | None:
+        """The ready shape with every dimension >= ``key``'s and the fewest padded elements, or None."""
+        covers = [k for k in list(self._ready)
+                  if len(k) == len(key) and all(a >= b for a, b in zip(k, key, strict=True))]
+        return min(covers, key=lambda k: (int(np.prod(k)), k)) if covers else None
+
+    def choose(self, key: Key, abstract: Callable[[Key], tuple]) -> Key:
+        """The shape to run ``key``'s batch at: ``key`` when ready (or when nothing covers it: the caller compiles
+        it), else its cover, with ``key`` queued for the background thread (``abstract(key)``: the step's
+        arguments as ``jax.ShapeDtypeStruct`` trees, built now, in the caller)."""
+        if key in self._ready or self._pool is None:
+            return key
+        cover = self.cover(key)
+        if cover is None:
+            return key
+        with self._lock:
+            queue = key not in self._pending
+            self._pending.add(key)
+        if queue:
+            self._pool.submit(self._compile_later, key, abstract(key))
+        self.stats["cover"] += 1
+        return cover
+
+    def _compile_later(self, key: Key, args: tuple) -> None:
+        try:
+            exe = self.step.lower(*args).compile()
+        except BaseException as e:  # noqa: BLE001 (recorded; the caller compiles the key in place when next met)
+            self.errors.append((key, e))
+        else:
+            self._ready.setdefault(key, exe)
+            self.stats["background"] += 1
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+
+    def executable(self, key: Key, args: tuple) -> Any:
+        """``key``'s executable; compiled here from the concrete ``args`` when not ready yet."""
+        exe = self._ready.get(key)
+        if exe is not None:
+            self.stats["exact"] += 1
+            return exe
+        exe = self.step.lower(*args).compile()
+        self._ready[key] = exe
+        self.stats["inline"] += 1
+        return exe
+
+    def wait(self) -> None:
+        """Block until the queued background compiles are done (tests, benchmarks)."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def abstract(tree: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves (with their shardings) for a tree of arrays: what ``lower`` needs, without
+    holding the arrays (a donated pool may be gone by the time a background compile reads it)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)),
+                        tree)
+
+
+def pad_rows(a: np.ndarray, rows: int, cols: int | None = None, fill: Any = 0) -> np.ndarray:
+    """``a`` [B] or [B, C] padded with ``fill`` to ``rows`` (and ``cols``)."""
+    widths = [(0, rows - a.shape[0])] + ([(0, cols - a.shape[1])] if a.ndim == 2 else [])
+    return np.pad(a, widths, constant_values=fill)

@@ -1,0 +1,75 @@
+"""New padded shapes are compiled off the serving path (``phaseserve.engine.compiled.ShapeCache``): a prefill group
+or decode batch whose shape is not compiled yet runs on a larger compiled shape while the exact one compiles in the
+background, and its tokens are transformers' greedy tokens either way; warm-up compiles in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import phaseserve as ps
+from phaseserve.engine import Request
+from phaseserve.engine.compiled import ShapeCache
+from tests.e2e.engine_utils import hf_greedy, make_checkpoint, serve_config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model, cfg, params = make_checkpoint("deepseek_v3_grouped", tmp_path_factory.mktemp("shapes"), seed=3)
+    return model, cfg, params
+
+
+def _reqs(cfg, lengths, max_tokens, seed):
+    rng = np.random.default_rng(seed)
+    return [Request(id=f"s{seed}-{i}", prompt=rng.integers(0, cfg.vocab_size, n).tolist(), max_tokens=max_tokens,
+                    ignore_eos=True) for i, n in enumerate(lengths)]
+
+
+def test_a_new_shape_runs_on_a_compiled_cover_then_on_its_own(setup):
+    model, cfg, params = setup
+    engine = ps.Engine(cfg, params, serve_config("disaggregated", num_pages=96, page_size=4, max_batch=4))
+    big = _reqs(cfg, [13, 11, 12, 9], 6, seed=0)  # prefill (4 rows, 16 tokens), decode 4 rows
+    small = _reqs(cfg, [10], 6, seed=1)  # prefill (1, 16), decode 1 row: covered by the shapes above
+    for reqs in (big, small):
+        outs = engine.generate(reqs)
+        for r, o in zip(reqs, outs, strict=True):
+            assert o.tokens == hf_greedy(model, r), r.id
+    pre, dec = engine.prefill.steps, engine.decode.steps
+    assert pre.stats["cover"] >= 1 and dec.stats["cover"] >= 1, (pre.stats, dec.stats)
+    pre.wait()
+    dec.wait()
+    assert pre.stats["background"] >= 1 and dec.stats["background"] >= 1 and not pre.errors and not dec.errors
+    exact_before, covers = (pre.stats["exact"], dec.stats["exact"]), (pre.stats["cover"], dec.stats["cover"])
+    again = _reqs(cfg, [10], 6, seed=2)  # the same shapes: now their own executables
+    out = engine.generate(again)[0]
+    assert out.tokens == hf_greedy(model, again[0])
+    assert pre.stats["exact"] > exact_before[0] and dec.stats["exact"] > exact_before[1]
+    assert (pre.stats["cover"], dec.stats["cover"]) == covers  # no cover needed any more
+
+
+def test_without_a_cover_the_shape_compiles_in_place_and_warm_up_never_covers(setup):
+    _, cfg, params = setup
+    engine = ps.Engine(cfg, params, serve_config("colocated", num_pages=64, page_size=4, max_batch=2,
+                                                 max_prefill_tokens=32))
+    engine.generate(_reqs(cfg, [5], 2, seed=4))  # nothing compiled before: in place
+    assert engine.prefill.steps.stats["inline"] >= 1 and engine.prefill.steps.stats["cover"] == 0
+    engine.warm_up()
+    for steps in (engine.prefill.steps, engine.decode.steps):
+        assert steps.stats["cover"] == 0 and steps.stats["background"] == 0
+
+
+def test_shape_cache_picks_the_smallest_ready_cover():
+    class Step:
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            return "exe"
+
+    cache = ShapeCache(Step(), "t", background=False)
+    for key in [(8, 32, 16), (4, 64, 16), (4, 32, 32), (16, 16, 4)]:
+        cache.executable(key, ())
+    assert cache.cover((2, 32, 8)) == (8, 32, 16) or cache.cover((2, 32, 8)) == (4, 32, 32)
+    assert cache.cover((2, 32, 8)) == min([(8, 32, 16), (4, 32, 32)], key=lambda k: (np.prod(k), k))
+    assert cache.cover((32, 16, 4)) is None and cache.cover((1, 16, 4)) == (16, 16, 4)
+    assert cache.choose((2, 32, 8), lambda k: ()) == (2, 32, 8)  # no background thread: compiled in place
