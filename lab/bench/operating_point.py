@@ -267,8 +267,7 @@ def machine_rates(mib: int = 512, n: int = 2048, repeats: int = 5) -> dict:
 # ---- the engine's decode step -------------------------------------------------------------------------------------
 def _rows(engine: Any, batch: int, context: int, vocab: int, tag: str) -> list:
     """``batch`` live sequences, each holding pages for ``context`` cached tokens (random ids; pool as allocated)."""
-    from phaseserve.engine.request import Request, RequestOutput
-    from phaseserve.engine.scheduler import Sequence
+    from phaseserve.engine.request import Request, RequestOutput, Sequence
 
     rng = np.random.default_rng(batch)
     rows = []

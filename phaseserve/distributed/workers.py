@@ -31,8 +31,8 @@ import ray
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import KVIntegrityError
-from phaseserve.engine.request import Limits
-from phaseserve.engine.scheduler import Chunk, Sequence
+from phaseserve.engine.request import Limits, Sequence
+from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.workers import (
     DecodeWorker,
     chunk_batch,

@@ -13,8 +13,6 @@ Ray actors: ``phaseserve.distributed``): each owns one phase's weights-on-mesh a
 
 :func:`cache_pages` sizes the page pool from ``CacheConfig`` (pages, a byte budget, or the documented default).
 
-:func:`stop_reason` is the one stop rule (stop tokens, eos unless ``ignore_eos``, ``max_tokens``).
-
 Each worker is split in a host half (page tables, batch building: :func:`chunk_batch`, :func:`decode_inputs`,
 :func:`pages_to_scrub`) and a device half (``run_batch``, ``land``, ``export``, ``scrub``, swaps) that takes only
 arrays and page ids, so the device half can live in another process: :func:`local_workers` builds both phases in
@@ -39,9 +37,9 @@ from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, Se
 from phaseserve.engine.decode import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
-from phaseserve.engine.request import MAX_LOGPROBS, Limits, Logprob, Request
+from phaseserve.engine.request import MAX_LOGPROBS, Limits, Sequence
 from phaseserve.engine.sampling import NONFINITE_TOKEN
-from phaseserve.engine.scheduler import Chunk, Sequence
+from phaseserve.engine.scheduler import Chunk
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.sharding import make_mesh, phase_devices, pool_shardings, replicated, shard_params, sharded_step
@@ -96,18 +94,6 @@ def prefill_pages(limits: Any, max_prefill_tokens: int) -> int:
     return 2 * limits.max_pages + -(-max_prefill_tokens // limits.page_size) + 1
 
 
-def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
-    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token past the first ``min_tokens`` (such a token
-    earlier is kept, and generation goes on: the finish rule, not a mask on the logits), ``"length"`` at
-    ``max_tokens``, else None."""
-    stoppable = num_generated > req.min_tokens
-    if stoppable and (token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids)):
-        return "stop"
-    if num_generated >= req.max_tokens:
-        return "length"
-    return None
-
-
 def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
     """Per-row sampling parameters for ``seqs`` padded to ``b`` rows (padding rows are greedy)."""
     temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
@@ -122,16 +108,6 @@ def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
 def top_logprobs_k(cfg: ModelConfig) -> int:
     """The number of top alternatives the jitted steps compute per token (a request slices its own)."""
     return min(MAX_LOGPROBS, cfg.vocab_size)
-
-
-def logprob_at(arrays: tuple[np.ndarray, ...] | None, index: tuple, token: int, n_top: int | None) -> Logprob | None:
-    """The :class:`Logprob` at ``index`` of a step's host logprob arrays ``(logprob, top logprobs, top ids)``, with
-    ``n_top`` alternatives; None when the request did not ask (``n_top`` None) or the step computed none."""
-    if arrays is None or n_top is None:
-        return None
-    lp, top_lp, top_ids = arrays
-    top = tuple((int(t), float(v)) for t, v in zip(top_ids[index][:n_top], top_lp[index][:n_top], strict=True))
-    return Logprob(int(token), float(lp[index]), top)
 
 
 def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, matmul_impl: str = "auto",

@@ -26,10 +26,11 @@ from phaseserve.engine.request import (
     Request,
     RequestError,
     RequestOutput,
+    Sequence,
     open_request,
     validate,
 )
-from phaseserve.engine.scheduler import Scheduler, Sequence
+from phaseserve.engine.scheduler import Scheduler
 
 
 def examples(ci: int) -> int:
