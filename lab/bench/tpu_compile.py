@@ -46,7 +46,8 @@ from phaseserve.cache.paged import init_pool, value_dtype
 from phaseserve.config import ModelConfig, canonical_dtype
 from phaseserve.engine.decode import DecodeBatch
 from phaseserve.engine.prefill import ChunkBatch
-from phaseserve.engine.workers import bucket, chunk_bucket, chunk_step_jit, decode_step_jit, width_bucket
+from phaseserve.engine.shapes import bucket, chunk_bucket, width_bucket
+from phaseserve.engine.workers import chunk_step_jit, decode_step_jit
 from phaseserve.quant.quantize import abstract_quantized, named_leaves, shape_dtype_tree, tensor_class
 from phaseserve.sharding import make_mesh, param_shardings, pool_shardings, replicated
 
@@ -388,7 +389,7 @@ def rerender(out_dir: str | Path) -> dict[str, Any]:
 
 
 def prefill_pool_pages(spec: StepSpec) -> int:
-    """The prefill worker's pool (``engine.workers.prefill_pages``): two of the longest prompts plus one step's
+    """The prefill worker's pool (``engine.shapes.prefill_pages``): two of the longest prompts plus one step's
     tokens, whole pages, and the null page."""
     per_seq = -(-spec.context // spec.page_size)
     return 2 * per_seq + -(-spec.chunk // spec.page_size) + 1

@@ -4,7 +4,7 @@
 ``DecodeWorker`` (``engine.workers``), so the one :class:`~phaseserve.engine.engine.Engine` drives them
 unchanged. Each keeps this phase's page allocator and page tables in the engine's process (the scheduler admits,
 grows, preempts and releases against them as in process) and builds each step's batch with the same functions the
-local workers use (:func:`~phaseserve.engine.workers.chunk_batch`, :func:`~phaseserve.engine.workers.decode_inputs`,
+local workers use (:func:`~phaseserve.engine.batches.chunk_batch`, :func:`~phaseserve.engine.batches.decode_inputs`,
 :func:`~phaseserve.engine.workers.pages_to_scrub`); only arrays and page ids go to the actor
 (:class:`~phaseserve.distributed.actor.PhaseActor`).
 
@@ -31,19 +31,11 @@ import ray
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import KVIntegrityError
+from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_batch, warm_decode_inputs
 from phaseserve.engine.request import Limits, Sequence
 from phaseserve.engine.scheduler import Chunk
-from phaseserve.engine.workers import (
-    DecodeWorker,
-    chunk_batch,
-    chunk_groups,
-    decode_inputs,
-    decode_shapes,
-    pages_to_scrub,
-    prefill_shapes,
-    warm_chunk_batch,
-    warm_decode_inputs,
-)
+from phaseserve.engine.shapes import chunk_groups, decode_shapes, prefill_shapes
+from phaseserve.engine.workers import DecodeWorker, pages_to_scrub
 from phaseserve.serving.protocol import PeerDeadError, TransferDescriptor
 
 

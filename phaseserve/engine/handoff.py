@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from phaseserve.cache.paged import PagePool, gather_layer, write_prequantized
 from phaseserve.engine.prefill import quantize_layer_kv
@@ -91,3 +92,24 @@ def split_chunks(payload: list, page_size: int) -> list[list]:
 def kv_nbytes(kvq: Any) -> int:
     """Bytes of a handoff payload (every array leaf, scales included)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))
+
+
+def export_paged(fn: Any, pool: Any, pages: list[int], dtype: str) -> list[list]:
+    """``fn`` (jitted :func:`export_pages`) once per power-of-two chunk of ``pages``: the chunk payloads."""
+    out, start = [], 0
+    for size in page_chunks(len(pages)):
+        out.append(fn(pool, np.asarray(pages[start:start + size], np.int32), dtype))
+        start += size
+    return out
+
+
+def import_paged(fn: Any, pool: Any, pages: list[int], chunks: list[list]) -> Any:
+    """``fn`` (jitted :func:`import_pages`, pool donated) once per chunk payload of :func:`export_paged`."""
+    sizes = page_chunks(len(pages))
+    if len(sizes) != len(chunks):
+        raise ValueError(f"{len(pages)} pages come in {len(sizes)} chunks, got {len(chunks)}")
+    start = 0
+    for size, payload in zip(sizes, chunks, strict=True):
+        pool = fn(pool, payload, np.asarray(pages[start:start + size], np.int32))
+        start += size
+    return pool

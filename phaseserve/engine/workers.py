@@ -11,13 +11,11 @@ Ray actors: ``phaseserve.distributed``): each owns one phase's weights-on-mesh a
   :meth:`~DecodeWorker.swap_out` / :meth:`~DecodeWorker.swap_in` copy pages to host memory and back, bit for bit
   (preemption by swap).
 
-:func:`cache_pages` sizes the page pool from ``CacheConfig`` (pages, a byte budget, or the documented default).
-
-Each worker is split in a host half (page tables, batch building: :func:`chunk_batch`, :func:`decode_inputs`,
-:func:`pages_to_scrub`) and a device half (``run_batch``, ``land``, ``export``, ``scrub``, swaps) that takes only
-arrays and page ids, so the device half can live in another process: :func:`local_workers` builds both phases in
-this process (the engine's default); ``phaseserve.distributed`` puts each phase's device half in a Ray actor and
-keeps the host half, with the one scheduler, in the engine.
+Each worker is split in a host half (page tables; batch building, :mod:`phaseserve.engine.batches`, padded to
+the shapes of :mod:`phaseserve.engine.shapes`; :func:`pages_to_scrub`) and a device half (``run_batch``, ``land``,
+``export``, ``scrub``, swaps) that takes only arrays and page ids, so the device half can live in another process:
+:func:`local_workers` builds both phases in this process (the engine's default); ``phaseserve.distributed`` puts
+each phase's device half in a Ray actor and keeps the host half, with the one scheduler, in the engine.
 """
 
 from __future__ import annotations
@@ -32,77 +30,19 @@ import numpy as np
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
-from phaseserve.cache.paged import clear_pages, init_pool, pages_for_budget
-from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.cache.paged import clear_pages, init_pool
+from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_batch, warm_decode_inputs
 from phaseserve.engine.decode import DecodeBatch, decode_step
-from phaseserve.engine.handoff import export_pages, import_pages, page_chunks
+from phaseserve.engine.handoff import export_paged, export_pages, import_paged, import_pages
 from phaseserve.engine.prefill import ChunkBatch, chunk_step
 from phaseserve.engine.request import MAX_LOGPROBS, Limits, Sequence
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk
+from phaseserve.engine.shapes import bucket, cache_pages, chunk_groups, decode_shapes, prefill_pages, prefill_shapes
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.sharding import make_mesh, phase_devices, pool_shardings, replicated, shard_params, sharded_step
-
-
-def bucket(n: int, lo: int = 1) -> int:
-    """Next power of two >= max(n, lo): padded shapes compile a handful of times, not once per size."""
-    return max(lo, 1 << max(n - 1, 0).bit_length())
-
-
-def width_bucket(n: int, lo: int = 4) -> int:
-    """Page-table width for ``n`` live pages: the next of ``lo`` and 2^k, 3 * 2^(k-1) (4, 6, 8, 12, 16, 24, ...) at
-    or above ``n``. Attention reads every listed page, so the table wastes at most a third of what it reads (a
-    power of two wastes up to a half) at twice the compiled widths of :func:`bucket`."""
-    w = bucket(n, lo)
-    return max(lo, w * 3 // 4) if w * 3 // 4 >= n else w
-
-
-def chunk_bucket(n: int) -> int:
-    """Padded length of a prefill chunk of ``n`` tokens: a multiple of 16 up to 128, then a quarter-octave step
-    (160, 192, 224, 256, 320, ...): the next multiple of ``max(16, bucket(n) / 8)``. A power of two pads a prompt of
-    2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most a quarter of the
-    chunk (a fifth above 128 tokens), at four compiled lengths per octave."""
-    g = max(16, bucket(n) // 8)
-    return max(16, -(-n // g) * g)
-
-
-def batch_buckets(max_rows: int) -> list[int]:
-    """The padded batch sizes of up to ``max_rows`` rows: 1, 2, 4, .. bucket(max_rows)."""
-    return [1 << i for i in range(bucket(max_rows).bit_length())]
-
-
-def cache_pages(cfg: ModelConfig, cache: CacheConfig, kv_dtype: str, device: jax.Device) -> int:
-    """Pages of the decode pool (the null page included): ``cache.num_pages``; else the pages of
-    ``cache.kv_budget_bytes``; else ``cache.memory_fraction`` of ``device``'s free memory (call it after the weights
-    are placed), or :data:`~phaseserve.config.DEFAULT_CPU_KV_BYTES` where the device reports no memory limit (CPU)."""
-    if cache.num_pages is not None:
-        return cache.num_pages
-    budget = cache.kv_budget_bytes
-    if budget is None:
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        if stats and stats.get("bytes_limit"):
-            budget = int(cache.memory_fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
-    return pages_for_budget(cfg, kv_dtype, cache.page_size, budget)
-
-
-def prefill_pages(limits: Any, max_prefill_tokens: int) -> int:
-    """Pages of the prefill pool (the null page included): two of the longest prompts a request may bring (so one
-    long prompt in progress never blocks the next from starting) plus one step's token budget of short prompts."""
-    return 2 * limits.max_pages + -(-max_prefill_tokens // limits.page_size) + 1
-
-
-def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
-    """Per-row sampling parameters for ``seqs`` padded to ``b`` rows (padding rows are greedy)."""
-    temp, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-    seeds, steps, want = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, bool)
-    for i, s in enumerate(seqs):
-        r = s.request
-        temp[i], top_k[i], top_p[i], seeds[i], steps[i] = r.temperature, r.top_k, r.top_p, r.seed, s.num_generated
-        want[i] = r.logprobs is not None
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, want_logprobs=want)
 
 
 def top_logprobs_k(cfg: ModelConfig) -> int:
@@ -140,98 +80,6 @@ def scrub_pages(worker: Any, pages: list[int]) -> None:
     slot's NaN still reaches the next owner's attention output through ``0 * NaN``."""
     if pages:
         worker.pool = worker._clear(worker.pool, jnp.asarray(pages, jnp.int32))
-
-
-def chunk_groups(chunks: list[Chunk], max_prefill_tokens: int) -> list[list[Chunk]]:
-    """Batches of similar chunk lengths whose padded size stays within ``max_prefill_tokens``."""
-    groups, cur = [], []
-    for ch in sorted(chunks, key=lambda c: c.n):
-        t = chunk_bucket(ch.n)
-        if cur and bucket(len(cur) + 1) * t > max(max_prefill_tokens, t):
-            groups.append(cur)
-            cur = []
-        cur.append(ch)
-    return groups + ([cur] if cur else [])
-
-
-def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> ChunkBatch:
-    """The host inputs of one chunk step for ``group`` (padded to a power of two rows and :func:`chunk_bucket`
-    tokens; the page table as wide as the longest chunk needs, bucketed; ``targets``: each position's next prompt
-    token for the rows that asked for prompt logprobs, else -1)."""
-    b, c = bucket(len(group)), chunk_bucket(max(ch.n for ch in group))
-    need = max(-(-(ch.start + ch.n) // page_size) for ch in group)
-    pt, _, _ = tables.batch([ch.id for ch in group], pad_to=b)
-    pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
-    tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
-    valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
-    targets, want_prompt = np.full((b, c), -1, np.int32), np.zeros(b, bool)
-    for i, ch in enumerate(group):
-        tokens[i, : ch.n] = ch.seq.tokens[ch.start: ch.start + ch.n]
-        positions[i] += ch.start
-        valid[i, : ch.n], lengths[i], last[i] = True, ch.start + ch.n, ch.n - 1
-        n_prompt = len(ch.seq.request.prompt)  # the user's prompt (not tokens re-prefilled after a preemption)
-        if ch.seq.request.prompt_logprobs is not None and ch.start < n_prompt - 1:
-            end = min(ch.start + ch.n + 1, n_prompt)
-            targets[i, : end - ch.start - 1] = ch.seq.tokens[ch.start + 1: end]
-            want_prompt[i] = True
-    return ChunkBatch(tokens=tokens, positions=positions, valid=valid, lengths=lengths, last=last, page_table=pt,
-                      targets=targets, want_prompt=want_prompt, **sampling_rows([ch.seq for ch in group], b))
-
-
-def warm_chunk_batch(b: int, c: int, w: int) -> ChunkBatch:
-    """A chunk batch of one padded shape with nothing valid (compiling the step at it writes no page)."""
-    z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
-    return ChunkBatch(tokens=z(b, c), positions=np.tile(np.arange(c, dtype=np.int32), (b, 1)),
-                      valid=z(b, c, dt=bool), lengths=z(b), last=z(b), page_table=z(b, w),
-                      targets=np.full((b, c), -1, np.int32), want_prompt=z(b, dt=bool), **sampling_rows([], b))
-
-
-def warm_decode_inputs(b: int, w: int) -> tuple[DecodeBatch, tuple]:
-    """A decode batch of one padded shape, padding rows only, and its integrity check's inputs."""
-    pt, expected, live = np.zeros((b, w), np.int32), np.zeros((b, w), np.uint32), np.zeros(b, np.int32)
-    batch = DecodeBatch(tokens=np.zeros(b, np.int32), positions=np.zeros(b, np.int32), page_table=pt,
-                        active=np.zeros(b, bool), **sampling_rows([], b))
-    return batch, (pt, expected, live)
-
-
-def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, max_rows: int, max_chunk: int,
-                   max_pages: int) -> list[tuple[int, int, int]]:
-    """Every ``(rows, chunk, page-table width)`` a prefill group can be padded to, for groups of up to ``max_rows``
-    chunks of up to ``max_chunk`` tokens of requests holding up to ``max_pages`` pages (:func:`chunk_groups` keeps
-    rows x chunk within ``max_prefill_tokens``; a chunk of ``c`` tokens past a prefix or an earlier chunk may need
-    any wider table)."""
-    cap, out, shortest = min(tables.page_table.shape[1], max_pages), [], {}
-    for n in range(max(max_chunk, 1), 0, -1):  # each padded length's shortest chunk
-        shortest[chunk_bucket(n)] = n
-    for c in sorted(shortest):
-        least = -(-shortest[c] // page_size)  # pages of the shortest chunk padded to c
-        widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
-        for b in batch_buckets(max_rows):
-            if b * c <= max(max_prefill_tokens, c):
-                out += [(b, c, w) for w in widths]
-    return out
-
-
-def decode_shapes(tables: PageTables, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
-    """Every ``(rows, page-table width)`` a decode batch of up to ``max_rows`` rows of requests holding up to
-    ``max_pages`` pages can be padded to."""
-    cap = min(tables.page_table.shape[1], max_pages)
-    widths = sorted({min(width_bucket(n), cap) for n in range(1, cap + 1)})
-    return [(b, w) for b in batch_buckets(max_rows) for w in widths]
-
-
-def decode_inputs(tables: PageTables, rows: list[Sequence]) -> tuple[DecodeBatch, tuple]:
-    """The host inputs of one decode step for ``rows``: the batch (padded to a power of two rows, the page table
-    as wide as the rows' pages, bucketed) and the integrity check's ``(page_table, expected_tags, num_live)``."""
-    b = bucket(len(rows))
-    pt, expected, live = tables.batch([s.id for s in rows], pad_to=b)
-    width = min(width_bucket(int(live.max(initial=1))), pt.shape[1])  # as wide as the rows' pages (bucketed)
-    pt, expected = pt[:, :width], expected[:, :width]  # so the step reads what the rows hold, not the per-row cap
-    tokens, positions, active = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool)
-    for i, s in enumerate(rows):
-        tokens[i], positions[i], active[i] = s.tokens[-1], s.next_position, True
-    batch = DecodeBatch(tokens=tokens, positions=positions, page_table=pt, active=active, **sampling_rows(rows, b))
-    return batch, (pt, expected, live)
 
 
 def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt: np.ndarray,
@@ -320,27 +168,6 @@ class PrefillWorker:
     def land(self, pages: list[int], payload: list) -> None:
         """Write a payload (a prefix hit's pages, in the prefill KV dtype, already on this mesh) into ``pages``."""
         self.pool = import_paged(self._import, self.pool, pages, payload)
-
-
-def export_paged(fn: Any, pool: Any, pages: list[int], dtype: str) -> list[list]:
-    """``fn`` (jitted :func:`export_pages`) once per power-of-two chunk of ``pages``: the chunk payloads."""
-    out, start = [], 0
-    for size in page_chunks(len(pages)):
-        out.append(fn(pool, np.asarray(pages[start:start + size], np.int32), dtype))
-        start += size
-    return out
-
-
-def import_paged(fn: Any, pool: Any, pages: list[int], chunks: list[list]) -> Any:
-    """``fn`` (jitted :func:`import_pages`, pool donated) once per chunk payload of :func:`export_paged`."""
-    sizes = page_chunks(len(pages))
-    if len(sizes) != len(chunks):
-        raise ValueError(f"{len(pages)} pages come in {len(sizes)} chunks, got {len(chunks)}")
-    start = 0
-    for size, payload in zip(sizes, chunks, strict=True):
-        pool = fn(pool, payload, np.asarray(pages[start:start + size], np.int32))
-        start += size
-    return pool
 
 
 class DecodeWorker:

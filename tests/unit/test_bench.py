@@ -228,7 +228,7 @@ def test_client_loop_on_a_tiny_engine():
 
 def test_warmup_covers_every_page_table_width_the_outputs_reach():
     """Requests of 4 + 20 tokens in pages of 4 grow from 2 to 6 pages while they decode, so their decode steps use
-    page tables 4 and then 6 wide (``workers.width_bucket``); the warm-up's runs generate the workload's whole
+    page tables 4 and then 6 wide (``shapes.width_bucket``); the warm-up's runs generate the workload's whole
     output, so a run of the workload afterwards compiles nothing (3-token warm-up runs stopped at width 4)."""
     cfg = _compose("config", TINY + ["+model.overrides.num_hidden_layers=1", "workload.concurrency=2",
                                      "cache.num_pages=32", "cache.page_size=4", "workload.prompt.dist=fixed",

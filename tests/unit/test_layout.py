@@ -27,3 +27,16 @@ def test_the_request_state_lives_with_the_request():
     assert request.Sequence.__module__ == "phaseserve.engine.request"
     assert top_level_defs("Sequence") == ["phaseserve/engine/request.py"]
     assert top_level_defs("stop_reason") == ["phaseserve/engine/request.py"]  # the finish rule
+
+
+def test_the_workers_module_holds_the_workers():
+    """Bucketing and pool sizes in ``engine.shapes``, batch building in ``engine.batches``, the paged export and
+    import with the rest of the handoff; ``engine.workers`` keeps the two workers and their jitted steps."""
+    where = {"shapes": ("bucket", "width_bucket", "chunk_bucket", "cache_pages", "prefill_pages", "chunk_groups",
+                        "prefill_shapes", "decode_shapes"),
+             "batches": ("sampling_rows", "chunk_batch", "decode_inputs", "warm_chunk_batch", "warm_decode_inputs"),
+             "handoff": ("export_paged", "import_paged"),
+             "workers": ("PrefillWorker", "DecodeWorker", "chunk_step_jit", "decode_step_jit", "local_workers")}
+    for module, names in where.items():
+        for name in names:
+            assert top_level_defs(name) == [f"phaseserve/engine/{module}.py"], name
