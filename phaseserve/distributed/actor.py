@@ -9,7 +9,7 @@ allocators, admission and the finish rule stay in the engine -- so its methods t
 - ``run_batch``: one jitted chunk step (prefill) or one integrity-checked decode step (decode; the engine's page
   tag changes come with the call and are pushed to the device tag mirror first);
 - ``stage``: export pages (quantized to the receiver's storage dtype) into a tag-checked
-  :class:`~phaseserve.serving.transfer.StagingArea` and return the :class:`TransferDescriptor` naming them;
+  :class:`~phaseserve.distributed.transfer.StagingArea` and return the :class:`TransferDescriptor` naming them;
   ``arm``: verify a descriptor and arm its pull; ``release``: free a staged entry;
 - ``pull_land``: pull a peer's staged KV over ``jax.experimental.transfer`` into fresh buffers (a deadline polled
   with ``is_ready()``, never blocking on an unready array) and write it into pages of this pool.
@@ -30,16 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from phaseserve.config import ServeConfig
-from phaseserve.engine.handoff import export_pages, join_chunks, split_chunks
-from phaseserve.engine.workers import build_decode, build_prefill, prefill_params
-from phaseserve.serving.protocol import (
+from phaseserve.distributed.protocol import (
     ModelSpec,
     PeerDeadError,
     TransferDescriptor,
     TransferError,
     TransferTimeoutError,
 )
-from phaseserve.serving.transfer import Puller, StagingArea, start_endpoint
+from phaseserve.distributed.transfer import Puller, StagingArea, start_endpoint
+from phaseserve.engine.handoff import export_pages, join_chunks, split_chunks
+from phaseserve.engine.workers import build_decode, build_prefill, prefill_params
 from phaseserve.sharding import make_mesh
 
 PHASES = ("prefill", "decode")

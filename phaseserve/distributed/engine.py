@@ -33,11 +33,11 @@ import ray
 
 from phaseserve.config import ConfigError, ModelConfig, ServeConfig
 from phaseserve.distributed.actor import PhaseActor
+from phaseserve.distributed.protocol import SECRET_ENV, ModelSpec, deployment_secret
 from phaseserve.distributed.workers import RayHandoff, RemoteDecode, RemotePrefill
 from phaseserve.engine.engine import Engine
 from phaseserve.engine.request import Limits
 from phaseserve.engine.workers import PhaseWorkers
-from phaseserve.serving.protocol import SECRET_ENV, ModelSpec, deployment_secret
 
 
 @dataclass

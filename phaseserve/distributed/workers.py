@@ -13,7 +13,7 @@ source actor; ``land`` has the source verify and arm it, the destination actor p
 ``jax.experimental.transfer`` and write it, then the source frees it.
 
 Death. Any call that finds its actor dead (Ray's ``RayActorError``: ``ActorDiedError``, ``ActorUnavailableError``)
-raises :class:`~phaseserve.serving.protocol.PeerDeadError` and marks the pool lost (``pool_ok()`` False): the
+raises :class:`~phaseserve.distributed.protocol.PeerDeadError` and marks the pool lost (``pool_ok()`` False): the
 engine then ends the requests whose KV was there (``Engine._pool_lost``: requeued when nothing was emitted yet,
 since ``requeue_lost``), and ``reset_pool()`` marks the worker *down* until Ray has restarted the actor
 (``max_restarts``) and a ping answers (:meth:`RemoteWorker.revive`); the decode worker then sends the full page
@@ -31,12 +31,12 @@ import ray
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import KVIntegrityError
+from phaseserve.distributed.protocol import PeerDeadError, TransferDescriptor
 from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_batch, warm_decode_inputs
 from phaseserve.engine.request import Limits, Sequence
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import chunk_groups, decode_shapes, prefill_shapes
 from phaseserve.engine.workers import DecodeWorker, pages_to_scrub
-from phaseserve.serving.protocol import PeerDeadError, TransferDescriptor
 
 
 @dataclass(frozen=True)

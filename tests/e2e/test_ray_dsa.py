@@ -11,9 +11,8 @@ import pytest
 import ray
 
 import phaseserve as ps
-from phaseserve.distributed import RayEngine, RayOptions
+from phaseserve.distributed import ModelSpec, RayEngine, RayOptions
 from phaseserve.engine import Request
-from phaseserve.serving import ModelSpec
 from tests.e2e.engine_utils import F32, serve_config
 from tests.parity.hf_models import build, dsa_config
 

@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 import phaseserve as ps
 from phaseserve.config_hydra import load_model
+from phaseserve.distributed.protocol import ModelSpec
 from phaseserve.qarrays import Fp8Weight, Int4Weight
-from phaseserve.serving.protocol import ModelSpec
 from tests.e2e.engine_utils import hf_greedy, random_requests, serve_config
 from tests.parity.hf_models import build
 from tests.unit.quant_writers import expand_blocks, fp8_blocks, int4_groups, pack_int32

@@ -40,3 +40,15 @@ def test_the_workers_module_holds_the_workers():
     for module, names in where.items():
         for name in names:
             assert top_level_defs(name) == [f"phaseserve/engine/{module}.py"], name
+
+
+def test_one_package_for_cross_process_serving():
+    """The Ray backend and its KV transfer plane are ``phaseserve.distributed``; the HTTP layer is
+    ``phaseserve.server``: no ``serving`` package beside ``server``."""
+    import phaseserve.distributed as dist
+
+    assert not (ROOT / "phaseserve" / "serving").exists()
+    for name in ("StagingArea", "Puller", "DescriptorAuth"):
+        assert top_level_defs(name) == ["phaseserve/distributed/transfer.py"], name
+    for name in ("TransferDescriptor", "ModelSpec", "PeerDeadError"):
+        assert getattr(dist, name).__module__ == "phaseserve.distributed.protocol", name

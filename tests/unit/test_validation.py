@@ -181,7 +181,7 @@ def test_request_errors_cross_process_boundaries_with_their_class():
     import pickle
 
     from phaseserve.cache.integrity import KVIntegrityError
-    from phaseserve.serving.protocol import PeerDeadError, StaleDescriptorError, TransferError
+    from phaseserve.distributed.protocol import PeerDeadError, StaleDescriptorError, TransferError
 
     for err in (InvalidParameterError("x"), InvalidTokenError("y"), PromptTooLongError("z"), TransferError("w"),
                 PeerDeadError("p"), StaleDescriptorError("s", "stale_tag"), KVIntegrityError("r", "d", "nonfinite")):
