@@ -52,3 +52,14 @@ def test_one_package_for_cross_process_serving():
         assert top_level_defs(name) == ["phaseserve/distributed/transfer.py"], name
     for name in ("TransferDescriptor", "ModelSpec", "PeerDeadError"):
         assert getattr(dist, name).__module__ == "phaseserve.distributed.protocol", name
+
+
+def test_one_checkpoint_loader():
+    """``load_checkpoint`` is the one loader (``phaseserve.load_checkpoint``: plain, FP8, INT4); the plain reading
+    machinery under it is ``model.loader.read_checkpoint``."""
+    import phaseserve as ps
+    from phaseserve.quant import loader
+
+    assert top_level_defs("load_checkpoint") == ["phaseserve/quant/loader.py"]
+    assert ps.load_checkpoint is loader.load_checkpoint
+    assert top_level_defs("read_checkpoint") == ["phaseserve/model/loader.py"]
