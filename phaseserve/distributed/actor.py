@@ -67,9 +67,8 @@ class PhaseActor:
             self.worker = build_prefill(cfg, prefill_params(cfg, params, serve, mesh), serve, mesh, decode_pages,
                                         attn_impl=attn_impl, matmul_impl=matmul_impl)
         # what this pool receives (a payload in its own storage dtype): the tree the pulled flat leaves form
-        own = self.worker.kv_dtype if phase == "decode" else self.worker.pool_dtype
         self._tree = jax.tree.structure(jax.eval_shape(
-            lambda pool: export_pages(pool, jnp.zeros(1, jnp.int32), own), self.worker.pool))
+            lambda pool: export_pages(pool, jnp.zeros(1, jnp.int32), self.worker.pool_dtype), self.worker.pool))
         self.device = devices[0]
         self.endpoint = start_endpoint(bind or _node_ip(), self.device)  # None: this node's address in Ray
         self.staging = StagingArea(self.endpoint, staging_pages, serve.cache.page_size, staging_ttl_s)
@@ -92,8 +91,7 @@ class PhaseActor:
     def info(self) -> dict:
         w = self.worker
         return dict(phase=self.phase, incarnation=self.incarnation, num_pages=w.num_pages, page_size=w.page_size,
-                    kv_dtype=w.kv_dtype,
-                    pool_dtype=getattr(w, "pool_dtype", w.kv_dtype), address=self.staging.address, pid=os.getpid(),
+                    pool_dtype=w.pool_dtype, address=self.staging.address, pid=os.getpid(),
                     node_id=_node_id(), devices=[str(d) for d in jax.local_devices()])
 
     def ping(self) -> int:
@@ -148,7 +146,7 @@ class PhaseActor:
         chunks = self.worker.export(pages) if self.phase == "prefill" else self.worker.export(pages, dtype)
         leaves = [jax.device_put(x[0], self.device) for x in jax.tree.leaves(join_chunks(chunks))]  # [T, ...]
         desc = self.staging.stage(request_id, leaves, len(pages) * self.worker.page_size,
-                                  str(dtype or self.worker.kv_dtype))
+                                  str(dtype or self.worker.export_dtype))
         if desc is None:
             raise TransferError(f"the {self.phase} staging area is full ({self.staging.pages_in_use} pages)")
         self.stats["staged"] += 1

@@ -74,7 +74,7 @@ class RemoteWorker:
         self.phase, self.handle, self.info = phase, handle, info
         self.incarnation = info["incarnation"]  # the actor incarnation whose pool this host half describes
         self.num_pages, self.page_size = info["num_pages"], info["page_size"]
-        self.kv_dtype, self.pool_dtype = info["kv_dtype"], info["pool_dtype"]
+        self.pool_dtype = info["pool_dtype"]
         self.allocator = PageAllocator(self.num_pages)
         self.transfer_timeout_s = transfer_timeout_s
         self.lost: Exception | None = None  # a death noticed and not yet handled by the engine

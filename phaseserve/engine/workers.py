@@ -94,15 +94,16 @@ def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt
 
 
 class PrefillWorker:
-    """Prefill weights and the prefill page pool (prefill KV dtype) on the prefill mesh, with the jitted chunk step
-    and the page export of the handoff. The pool holds the KV of the prompts in progress only: a request gets its
-    pages at admission (:attr:`tables`) and gives them back once its pages are handed to decode."""
+    """Prefill weights and the prefill page pool on the prefill mesh, with the jitted chunk step and the page export
+    of the handoff. The pool holds the KV of the prompts in progress only, in :attr:`pool_dtype` (the prefill KV
+    dtype); :meth:`export` quantizes pages to :attr:`export_dtype` (the decode cache's storage dtype). A request gets
+    its pages at admission (:attr:`tables`) and gives them back once its pages are handed to decode."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str,
-                 prefill_kv_dtype: str, max_prefill_tokens: int, page_size: int, num_pages: int,
+    def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, pool_dtype: str,
+                 export_dtype: str, max_prefill_tokens: int, page_size: int, num_pages: int,
                  max_pages_per_seq: int, attn_impl: str = "auto", matmul_impl: str = "auto"):
         self.cfg, self.params, self.mesh, self.max_prefill_tokens = cfg, params, mesh, max_prefill_tokens
-        self.kv_dtype, self.pool_dtype = kv_dtype, canonical_dtype(prefill_kv_dtype)
+        self.pool_dtype, self.export_dtype = canonical_dtype(pool_dtype), canonical_dtype(export_dtype)
         self.num_pages, self.page_size = num_pages, page_size
         pool = init_pool(cfg, num_pages, page_size, self.pool_dtype)
         self._pool_sharding = pool_shardings(pool, mesh)
@@ -163,7 +164,7 @@ class PrefillWorker:
     def export(self, pages: list[int]) -> list:
         """The KV of these prefill pages, quantized to the decode storage dtype: exactly ``len(pages)`` pages
         (see :mod:`phaseserve.engine.handoff`)."""
-        return export_paged(self._export, self.pool, pages, self.kv_dtype)
+        return export_paged(self._export, self.pool, pages, self.export_dtype)
 
     def land(self, pages: list[int], payload: list) -> None:
         """Write a payload (a prefix hit's pages, in the prefill KV dtype, already on this mesh) into ``pages``."""
@@ -171,16 +172,17 @@ class PrefillWorker:
 
 
 class DecodeWorker:
-    """The decode cache and the decode weights on the decode mesh, with the jitted decode/scatter/scrub steps."""
+    """The decode cache (its pages in :attr:`pool_dtype`, the KV storage dtype) and the decode weights on the decode
+    mesh, with the jitted decode/scatter/scrub steps."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, kv_dtype: str, num_pages: int,
+    def __init__(self, cfg: ModelConfig, params: Any, mesh: jax.sharding.Mesh, *, pool_dtype: str, num_pages: int,
                  page_size: int, max_pages_per_seq: int, integrity: bool, attn_impl: str = "auto",
                  matmul_impl: str = "auto"):
         if num_pages < 2:
             raise ValueError(f"the KV budget gives {num_pages} pages; need at least 2 (one is the null page)")
         self.cfg, self.params, self.mesh = cfg, params, mesh
-        self.kv_dtype, self.num_pages, self.page_size = kv_dtype, num_pages, page_size
-        pool = init_pool(cfg, num_pages, page_size, kv_dtype)
+        self.pool_dtype, self.num_pages, self.page_size = pool_dtype, num_pages, page_size
+        pool = init_pool(cfg, num_pages, page_size, pool_dtype)
         self._pool_sharding = pool_shardings(pool, mesh)
         self.pool = jax.device_put(pool, self._pool_sharding)
         self._gather = jax.jit(lambda pool, idx: jax.tree.map(lambda x: x[idx], pool.layers))
@@ -215,7 +217,7 @@ class DecodeWorker:
     def reset_pool(self) -> None:
         """A fresh zeroed pool (after :meth:`pool_ok` turned False; the caller has ended every request that held
         pages, so the allocator holds none)."""
-        pool = init_pool(self.cfg, self.num_pages, self.page_size, self.kv_dtype)
+        pool = init_pool(self.cfg, self.num_pages, self.page_size, self.pool_dtype)
         self.pool = jax.device_put(pool, self._pool_sharding)
 
     def swap_out(self, pages: list[int]) -> tuple[int, Any]:
@@ -296,7 +298,7 @@ def build_decode(cfg: ModelConfig, params: Any, serve: ServeConfig, devices: lis
     mesh = make_mesh(devices, tp=m.decode_tp, ep=m.decode_ep)
     params = shard_params(cfg, quantize_params(params, phase_policy(serve.quant, "decode")), mesh)
     kv_dtype = canonical_dtype(serve.quant.kv_dtype)
-    return DecodeWorker(cfg, params, mesh, kv_dtype=kv_dtype, num_pages=cache_pages(cfg, c, kv_dtype, devices[0]),
+    return DecodeWorker(cfg, params, mesh, pool_dtype=kv_dtype, num_pages=cache_pages(cfg, c, kv_dtype, devices[0]),
                         page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq, integrity=c.integrity,
                         attn_impl=attn_impl, matmul_impl=matmul_impl)
 
@@ -306,8 +308,8 @@ def build_prefill(cfg: ModelConfig, params: Any, serve: ServeConfig, mesh: jax.s
     """The prefill worker on ``mesh`` with ``params`` already in the prefill representation on it; its pool is
     sized from the limits of a decode pool of ``decode_pages`` pages (:func:`prefill_pages`)."""
     limits = Limits.of(cfg, serve, decode_pages)
-    return PrefillWorker(cfg, params, mesh, kv_dtype=canonical_dtype(serve.quant.kv_dtype),
-                         prefill_kv_dtype=serve.quant.prefill_kv_dtype, max_prefill_tokens=serve.max_prefill_tokens,
+    return PrefillWorker(cfg, params, mesh, pool_dtype=serve.quant.prefill_kv_dtype,
+                         export_dtype=serve.quant.kv_dtype, max_prefill_tokens=serve.max_prefill_tokens,
                          page_size=serve.cache.page_size, max_pages_per_seq=limits.max_pages,
                          num_pages=prefill_pages(limits, serve.max_prefill_tokens), attn_impl=attn_impl,
                          matmul_impl=matmul_impl)
