@@ -44,8 +44,8 @@ from phaseserve import planner, presets
 from phaseserve.cache.integrity import IntegrityTracker, check_tags
 from phaseserve.cache.paged import init_pool, value_dtype
 from phaseserve.config import ModelConfig, canonical_dtype
-from phaseserve.engine.decode import DecodeBatch
-from phaseserve.engine.prefill import ChunkBatch
+from phaseserve.engine.decode_step import DecodeBatch
+from phaseserve.engine.prefill_step import ChunkBatch
 from phaseserve.engine.shapes import bucket, chunk_bucket, width_bucket
 from phaseserve.engine.workers import chunk_step_jit, decode_step_jit
 from phaseserve.quant.quantize import abstract_quantized, named_leaves, shape_dtype_tree, tensor_class

@@ -1,8 +1,8 @@
-"""The host inputs of the two jitted steps: a :class:`~phaseserve.engine.prefill.ChunkBatch` from a group of
-scheduled prompt chunks, a :class:`~phaseserve.engine.decode.DecodeBatch` (and its integrity check's inputs) from the
-running sequences, padded to the shapes of :mod:`phaseserve.engine.shapes`; and the all-padding batches the warm-up
-compiles with. Numpy only: the local workers and the Ray backend's proxies build them alike and hand them to a
-worker's device half.
+"""The host inputs of the two jitted steps: a :class:`~phaseserve.engine.prefill_step.ChunkBatch` from a group
+of scheduled prompt chunks, a :class:`~phaseserve.engine.decode_step.DecodeBatch` (and its integrity check's inputs)
+from the running sequences, padded to the shapes of :mod:`phaseserve.engine.shapes`; and the all-padding batches the
+warm-up compiles with. Numpy only: the local workers and the Ray backend's proxies build them alike and hand them to
+a worker's device half.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from phaseserve.cache.allocator import PageTables
-from phaseserve.engine.decode import DecodeBatch
-from phaseserve.engine.prefill import ChunkBatch
+from phaseserve.engine.decode_step import DecodeBatch
+from phaseserve.engine.prefill_step import ChunkBatch
 from phaseserve.engine.request import Sequence
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import bucket, chunk_bucket, width_bucket

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from phaseserve.cache.paged import PagePool, gather_layer, write_prequantized
-from phaseserve.engine.prefill import quantize_layer_kv
+from phaseserve.cache.paged import PagePool, gather_layer, quantize_kv, write_prequantized
 
 
 class Handoff(Protocol):
@@ -49,6 +48,13 @@ class InProcessHandoff:
     def transfer(self, kvq: list, dst: jax.sharding.Sharding) -> list:
         self.bytes_moved += kv_nbytes(kvq)
         return jax.device_put(kvq, dst)
+
+
+def quantize_layer_kv(kv: Any, kv_dtype, compute_dtype) -> list[tuple[jax.Array, jax.Array | None]]:
+    """One layer's KV (as the model returns it), rounded to ``compute_dtype`` -> [(values, scale | None)] in
+    ``kv_dtype`` (per-token scales for FP8)."""
+    parts = list(kv) if isinstance(kv, tuple) else [kv]
+    return [quantize_kv(x.astype(compute_dtype), kv_dtype) for x in parts]
 
 
 def export_pages(pool: PagePool, pages: jax.Array, dtype: Any) -> list:

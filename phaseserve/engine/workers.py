@@ -3,7 +3,7 @@ Ray actors: ``phaseserve.distributed``): each owns one phase's weights-on-mesh a
 
 - :class:`PrefillWorker`: the prefill pool (prompts in progress, prefill KV dtype) and its allocator; groups the
   step's prompt chunks into padded batches (bounded by ``max_prefill_tokens``), runs the chunk step
-  (``engine.prefill``), and exports finished prompts' pages quantized for the decode cache (``engine.handoff``).
+  (``engine.prefill_step``), and exports finished prompts' pages quantized for the decode cache (``engine.handoff``).
 - :class:`DecodeWorker`: the decode cache (page pool on the decode mesh, allocator, page tables, integrity tracker)
   and its jitted steps: :meth:`~DecodeWorker.land` writes handed-over whole pages into a request's pages,
   :meth:`~DecodeWorker.step` runs one integrity-checked decode step for a list of running sequences and returns the
@@ -33,9 +33,9 @@ from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopT
 from phaseserve.cache.paged import clear_pages, init_pool
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_batch, warm_decode_inputs
-from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.decode_step import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_paged, export_pages, import_paged, import_pages
-from phaseserve.engine.prefill import ChunkBatch, chunk_step
+from phaseserve.engine.prefill_step import ChunkBatch, chunk_step
 from phaseserve.engine.request import MAX_LOGPROBS, Limits, Sequence
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk
@@ -54,7 +54,7 @@ def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any
                    attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The prefill worker's jitted chunk step on ``mesh`` (pool donated): ``(params, pool, ChunkBatch) -> (first
     i32[B] replicated, pool', sampled tokens' logprobs, prompt positions' logprobs)``
-    (:func:`~phaseserve.engine.prefill.chunk_step`). Built from shardings only, so it also lowers for abstract
+    (:func:`~phaseserve.engine.prefill_step.chunk_step`). Built from shardings only, so it also lowers for abstract
     arguments on a deviceless mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
     rep, top = replicated(mesh), top_logprobs_k(cfg)
     return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b, top), cfg, mesh, phase="prefill",

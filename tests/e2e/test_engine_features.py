@@ -20,7 +20,7 @@ from phaseserve.engine import (
     PromptTooLongError,
     Request,
 )
-from phaseserve.engine.decode import decode_step
+from phaseserve.engine.decode_step import decode_step
 from tests.e2e.engine_utils import F32, make_checkpoint, random_requests, serve_config
 
 FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
@@ -207,7 +207,7 @@ def test_noop_tracker_adds_nothing_to_the_decode_step(mla):
     eng = ps.Engine(cfg, params, serve_config(integrity=False))
     assert isinstance(eng.tracker, NoopTracker)
     b = 4
-    from phaseserve.engine.decode import DecodeBatch
+    from phaseserve.engine.decode_step import DecodeBatch
 
     batch = DecodeBatch(tokens=np.ones(b, np.int32), positions=np.arange(b, dtype=np.int32),
                         page_table=np.zeros((b, 16), np.int32), active=np.ones(b, bool),

@@ -19,7 +19,7 @@ from phaseserve.cache.attend import PagedAttend, rows_view
 from phaseserve.cache.integrity import IntegrityTracker
 from phaseserve.cache.paged import as_stored, as_values, init_pool
 from phaseserve.config import ModelConfig
-from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.decode_step import DecodeBatch, decode_step
 from phaseserve.engine.sampling import _draw, sample
 from phaseserve.model import moe as M
 from phaseserve.model.params import init_params

@@ -214,11 +214,11 @@ def test_the_checks_see_imports_inside_functions():
     """The graph reader finds function-local and relative imports, skips ``if TYPE_CHECKING:`` bodies, and the
     checkers report a lab import and a cycle fed to them (the tests above would be blind otherwise)."""
     src = ("import numpy\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lab import figures\n"
-           "else:\n    import json\n\ndef f():\n    from ..cache import paged\n    from . import decode\n"
+           "else:\n    import json\n\ndef f():\n    from ..cache import paged\n    from . import decode_step\n"
            "    import hydra.core\n    if True:\n        from lab.bench import measure\n")
     found = imports_in(src, "phaseserve.engine")
     assert found == [("numpy", 1), ("typing", 2), ("json", 6), ("phaseserve.cache.paged", 9),
-                     ("phaseserve.engine.decode", 10), ("hydra.core", 11), ("lab.bench.measure", 13)]
+                     ("phaseserve.engine.decode_step", 10), ("hydra.core", 11), ("lab.bench.measure", 13)]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
 

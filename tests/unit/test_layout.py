@@ -63,3 +63,12 @@ def test_one_checkpoint_loader():
     assert top_level_defs("load_checkpoint") == ["phaseserve/quant/loader.py"]
     assert ps.load_checkpoint is loader.load_checkpoint
     assert top_level_defs("read_checkpoint") == ["phaseserve/model/loader.py"]
+
+
+def test_the_phase_steps_are_named_as_steps():
+    """``engine.prefill`` / ``engine.decode`` are the engine's workers (``Engine.prefill``, ``Engine.decode``), not
+    modules: the jitted steps live in ``engine.prefill_step`` and ``engine.decode_step``."""
+    engine = ROOT / "phaseserve" / "engine"
+    assert not (engine / "prefill.py").exists() and not (engine / "decode.py").exists()
+    assert top_level_defs("chunk_step") == ["phaseserve/engine/prefill_step.py"]
+    assert top_level_defs("DecodeBatch") == ["phaseserve/engine/decode_step.py"]
