@@ -219,7 +219,7 @@ def model_facts(model_cfg: Any) -> dict:
 
 def roofline_step(facts: dict, batch: int, weight_bytes: int, bandwidth: float, flops: float) -> dict:
     """Lower bound of one decode step (seconds) from the machine's rates: the weights read (only the experts the
-    batch touches, ``E (1 - (1 - k/E)^B)`` per layer, as :func:`phaseserve.planner.roofline.decode` counts them)
+    batch touches, ``E (1 - (1 - k/E)^B)`` per layer, as :func:`phaseserve.planner.roofline.decode_time` counts them)
     over the bandwidth, or the matmul FLOPs over the matmul rate, whichever is larger."""
     k, e = facts["experts_per_token"], facts["num_experts"]
     frac = 1 - (1 - k / e) ** batch if e > 1 else 1.0
@@ -338,7 +338,7 @@ def gpu_curve(spec: OperatingPointSpec) -> dict:
     out: dict[str, Any] = {"model": spec.gpu_model, "gpu": spec.gpu, "context": spec.gpu_context}
     for kv in ("bf16", "fp8"):
         d = deployment(spec.gpu_model, spec.gpu, 1, weights="bf16", kv=kv)
-        rows = [d.decode(b, spec.gpu_context) for b in spec.gpu_batches]
+        rows = [d.decode_time(b, spec.gpu_context) for b in spec.gpu_batches]
         out[kv] = {"kv_tokens": d.kv_tokens, "curve": {r["concurrency"]: r["step_s"] for r in rows},
                    "bound": {r["concurrency"]: r["bound"] for r in rows}}
     params = deployment(spec.gpu_model, spec.gpu, 1, weights="bf16", kv="bf16").serving.total_params

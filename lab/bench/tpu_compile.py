@@ -363,9 +363,9 @@ def add_engine_layout(row: dict) -> dict:
     # the planner's own roofline for the same step (analytic FLOPs: cost_analysis counts no FLOPs inside Mosaic
     # kernels, which carry no cost estimate; it does count their operands' bytes)
     if sp["phase"] == "decode":
-        row["planner"]["roofline_s"] = d.decode(sp["batch"], sp["context"])["step_s"]
+        row["planner"]["roofline_s"] = d.decode_time(sp["batch"], sp["context"])["step_s"]
     else:
-        row["planner"]["roofline_s"] = d.prefill(sp["chunk"], sp["batch"])["seconds"]
+        row["planner"]["roofline_s"] = d.prefill_time(sp["chunk"], sp["batch"])["seconds"]
     return row
 
 
