@@ -300,7 +300,7 @@ def measure_model(cfg: DictConfig, node: dict, spec: OperatingPointSpec, log=pri
     pages = -(-(spec.context + 1) // int(cfg.cache.page_size))
     base = {"engine.mode": "colocated", "engine.max_batch": max(spec.batches),
             "cache.num_pages": 1 + max(spec.batches) * pages, "cache.kv_budget_bytes": None,
-            "cache.kv_budget_requests": None, "quant.kv": "bfloat16"}
+            "cache.kv_budget_requests": None, "quant.kv_dtype": "bfloat16"}
     engines = {}
     for w in spec.weights:
         t0 = time.perf_counter()

@@ -248,7 +248,7 @@ def test_engine_from_hydra_config():
 
     configs = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs")
     with initialize_config_dir(config_dir=configs, version_base=None):
-        cfg = compose(config_name="config", overrides=["model=tiny_mla", "quant.kv=fp8"])
+        cfg = compose(config_name="config", overrides=["model=tiny_mla", "quant.kv_dtype=fp8"])
     eng = ps.Engine.from_hydra(cfg)
     assert eng.kv_dtype == "float8_e4m3fn" and eng.serve.mode == cfg.engine.mode
     out = eng.generate([Request(id="h", prompt=[1, 2, 3], max_tokens=4, ignore_eos=True)])[0]

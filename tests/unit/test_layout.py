@@ -72,3 +72,20 @@ def test_the_phase_steps_are_named_as_steps():
     assert not (engine / "prefill.py").exists() and not (engine / "decode.py").exists()
     assert top_level_defs("chunk_step") == ["phaseserve/engine/prefill_step.py"]
     assert top_level_defs("DecodeBatch") == ["phaseserve/engine/decode_step.py"]
+
+
+def test_the_kv_dtype_has_one_name_in_config_and_code():
+    """The Hydra ``quant`` group spells the KV dtypes as :class:`~phaseserve.config.QuantConfig` does
+    (``quant.kv_dtype``, ``quant.prefill_kv_dtype``), and every shipped quant config sets them under those names."""
+    import dataclasses
+
+    import yaml
+
+    import phaseserve as ps
+    from phaseserve.config_hydra import QuantSpec
+
+    spec = {f.name for f in dataclasses.fields(QuantSpec)}
+    assert {"kv_dtype", "prefill_kv_dtype"} <= spec and not {"kv", "prefill_kv"} & spec
+    assert {"kv_dtype", "prefill_kv_dtype"} <= {f.name for f in dataclasses.fields(ps.QuantConfig)}
+    for path in sorted((ROOT / "configs" / "quant").glob("*.yaml")):
+        assert {"kv_dtype", "prefill_kv_dtype"} <= set(yaml.safe_load(path.read_text())), path.name
