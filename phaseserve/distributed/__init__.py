@@ -7,7 +7,7 @@ engine, with the KV between them over ``jax.experimental.transfer``.
 - ``actor``: :class:`PhaseActor`, one phase's devices, weights, pool and KV transfer endpoint.
 - ``protocol``: :class:`TransferDescriptor`, the typed errors that end a request because of the distributed
   machinery (:class:`StaleDescriptorError`, :class:`TransferTimeoutError`, :class:`TransferError`,
-  :class:`PeerDeadError`), :class:`ModelSpec` (how a process gets its weights), the transfer secret.
+  :class:`PeerDeadError`), :class:`ModelSource` (how a process gets its weights), the transfer secret.
 - ``transfer``: the KV transfer plane -- the source side's tag-checked :class:`StagingArea`, the receiving side's
   :class:`Puller`, descriptor signing.
 - ``multihost``: ``jax.distributed`` bring-up for meshes that span processes or hosts.
@@ -17,7 +17,7 @@ from phaseserve.distributed.engine import PhaseOptions, RayEngine, RayOptions, c
 from phaseserve.distributed.protocol import (
     DistributedError,
     ForgedDescriptorError,
-    ModelSpec,
+    ModelSource,
     PeerDeadError,
     StaleDescriptorError,
     TransferDescriptor,
@@ -25,6 +25,6 @@ from phaseserve.distributed.protocol import (
     TransferTimeoutError,
 )
 
-__all__ = ["DistributedError", "ForgedDescriptorError", "ModelSpec", "PeerDeadError", "PhaseOptions", "RayEngine",
+__all__ = ["DistributedError", "ForgedDescriptorError", "ModelSource", "PeerDeadError", "PhaseOptions", "RayEngine",
            "RayOptions", "StaleDescriptorError", "TransferDescriptor", "TransferError", "TransferTimeoutError",
            "connect"]

@@ -31,7 +31,7 @@ import numpy as np
 
 from phaseserve.config import ServeConfig
 from phaseserve.distributed.protocol import (
-    ModelSpec,
+    ModelSource,
     PeerDeadError,
     TransferDescriptor,
     TransferError,
@@ -50,7 +50,7 @@ CALLS = frozenset({"info", "kernels", "snapshot", "pool_ok", "reset_pool", "run_
 class PhaseActor:
     """One phase's device half (see the module docstring); ``phase``: ``"prefill"`` or ``"decode"``."""
 
-    def __init__(self, phase: str, model: ModelSpec, serve: ServeConfig, *, decode_pages: int | None = None,
+    def __init__(self, phase: str, model: ModelSource, serve: ServeConfig, *, decode_pages: int | None = None,
                  attn_impl: str = "auto", matmul_impl: str = "auto", bind: str | None = "127.0.0.1",
                  staging_pages: int = 4096, staging_ttl_s: float = 120.0):
         if phase not in PHASES:

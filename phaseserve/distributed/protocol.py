@@ -128,7 +128,7 @@ class TransferDescriptor:
 
 
 @dataclass
-class ModelSpec:
+class ModelSource:
     """How a server process gets its weights: an HF checkpoint directory, or an HF config dict + seed (random)."""
 
     checkpoint: str | None = None
@@ -137,7 +137,7 @@ class ModelSpec:
     dtype: str = "float32"
 
     @classmethod
-    def from_hydra(cls, cfg: Any) -> ModelSpec:
+    def from_hydra(cls, cfg: Any) -> ModelSource:
         """The spec of a composed Hydra tree's ``model`` group (checkpoint, or an HF config + seed)."""
         from phaseserve.config_hydra import hf_dict, repo_path
 

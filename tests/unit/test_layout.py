@@ -50,8 +50,10 @@ def test_one_package_for_cross_process_serving():
     assert not (ROOT / "phaseserve" / "serving").exists()
     for name in ("StagingArea", "Puller", "DescriptorAuth"):
         assert top_level_defs(name) == ["phaseserve/distributed/transfer.py"], name
-    for name in ("TransferDescriptor", "ModelSpec", "PeerDeadError"):
+    for name in ("TransferDescriptor", "ModelSource", "PeerDeadError"):
         assert getattr(dist, name).__module__ == "phaseserve.distributed.protocol", name
+    # how a process gets its weights is ModelSource; ModelSpec is the Hydra model group's schema alone
+    assert top_level_defs("ModelSpec") == ["phaseserve/config_hydra.py"]
 
 
 def test_one_checkpoint_loader():
