@@ -4,21 +4,28 @@ move that leaves a second copy behind fails here)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def top_level_defs(name: str) -> list[str]:
-    """The library modules (``phaseserve``) that define ``name`` at top level (a class, function or assignment)."""
-    out = []
+@functools.cache
+def _definitions() -> dict[str, list[str]]:
+    """Every top-level name (class, function or assignment) of the library's modules -> the files defining it."""
+    out: dict[str, list[str]] = {}
     for path in sorted((ROOT / "phaseserve").rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
             targets = getattr(node, "targets", [])
-            names = [getattr(node, "name", None)] + [t.id for t in targets if isinstance(t, ast.Name)]
-            if name in names:
-                out.append(str(path.relative_to(ROOT)))
+            for name in [getattr(node, "name", None)] + [t.id for t in targets if isinstance(t, ast.Name)]:
+                if name is not None:
+                    out.setdefault(name, []).append(str(path.relative_to(ROOT)))
     return out
+
+
+def top_level_defs(name: str) -> list[str]:
+    """The library modules (``phaseserve``) that define ``name`` at top level."""
+    return _definitions().get(name, [])
 
 
 def test_the_request_state_lives_with_the_request():
