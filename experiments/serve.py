@@ -28,8 +28,8 @@ def serve_config(cfg: DictConfig) -> ps.ServeConfig:
     q, c = cfg.quant, cfg.cache
     return ps.ServeConfig(
         mode=cfg.mode,
-        quant=ps.QuantConfig(prefill_weights=q.prefill_weights, decode_weights=q.decode_weights, kv_dtype=q.kv,
-                             prefill_kv_dtype=q.prefill_kv, int4_group_size=q.int4_group_size),
+        quant=ps.QuantConfig(prefill_weights=q.prefill_weights, decode_weights=q.decode_weights, kv_dtype=q.kv_dtype,
+                             prefill_kv_dtype=q.prefill_kv_dtype, int4_group_size=q.int4_group_size),
         cache=ps.CacheConfig(page_size=c.page_size, kv_budget_bytes=int(c.kv_budget_bytes),
                              max_pages_per_seq=c.max_pages_per_seq, integrity=c.integrity, admission=c.admission),
         max_batch=cfg.max_batch,

@@ -5,17 +5,17 @@ each group's YAML extends the schema registered here (``defaults: [schema, _self
 or a wrong type is an error at composition time::
 
     model:    ModelSpec      checkpoint | preset | inline hf dict, random weights unless a checkpoint
-    quant:    QuantSpec      -> QuantConfig   (``kv`` is QuantConfig.kv_dtype, ``prefill_kv`` prefill_kv_dtype)
+    quant:    QuantSpec      -> QuantConfig   (field for field)
     cache:    CacheSpec      -> CacheConfig   (+ ``kv_budget_requests``: size the byte budget by the workload)
     mesh:     MeshSpec       -> MeshConfig    (+ ``host_devices``: simulated CPU devices)
     engine:   EngineSpec     -> ServeConfig's mode, max_batch, max_prefill_tokens, max_context, seed
     workload: WorkloadSpec   lengths, arrivals, concurrency (played by :mod:`lab.bench.workload`)
     experiment: free-form    validated by each experiment against its own dataclass (``bench.schema``)
 
-Sweep axes. A few fields accept either one value or a list: ``quant.kv``, ``quant.prefill_weights``,
+Sweep axes. A few fields accept either one value or a list: ``quant.kv_dtype``, ``quant.prefill_weights``,
 ``quant.decode_weights``, ``cache.integrity``, ``workload.concurrency`` (and each experiment's arm list). A list
 is swept *inside one process*, the arms interleaved, which is the only way ratios are reported; a single value
-is one point, which is what each job of a Hydra multirun gets (``-m quant.kv=bf16,fp8
+is one point, which is what each job of a Hydra multirun gets (``-m quant.kv_dtype=bf16,fp8
 workload.concurrency=1,8``). :func:`serve_config_from_hydra` needs single values.
 
 This module sits beside the configs, below the engine: ``Engine.from_hydra`` calls
@@ -68,8 +68,8 @@ class QuantSpec:
 
     prefill_weights: Any = "bfloat16"  # str, or a list swept in one process
     decode_weights: Any = "bfloat16"  # str, or a list
-    kv: Any = "bfloat16"  # decode cache storage (QuantConfig.kv_dtype): str, or a list
-    prefill_kv: str = "bfloat16"  # dtype prefill computes KV in (QuantConfig.prefill_kv_dtype)
+    kv_dtype: Any = "bfloat16"  # decode cache storage (QuantConfig.kv_dtype): str, or a list
+    prefill_kv_dtype: str = "bfloat16"  # dtype prefill computes KV in (QuantConfig.prefill_kv_dtype)
     int4_group_size: int = 128
     fp8_block: list[int] | None = field(default_factory=lambda: [128, 128])  # None: per-channel scales
 
@@ -267,8 +267,8 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
     quant = QuantConfig(
         prefill_weights=str(single(q.prefill_weights, "quant.prefill_weights")),
         decode_weights=str(single(q.decode_weights, "quant.decode_weights")),
-        kv_dtype=canonical_dtype(str(single(q.kv, "quant.kv"))),
-        prefill_kv_dtype=canonical_dtype(q.prefill_kv), int4_group_size=int(q.int4_group_size),
+        kv_dtype=canonical_dtype(str(single(q.kv_dtype, "quant.kv_dtype"))),
+        prefill_kv_dtype=canonical_dtype(q.prefill_kv_dtype), int4_group_size=int(q.int4_group_size),
         fp8_block=tuple(q.fp8_block) if q.fp8_block is not None else None)
     sizes = [k for k in ("num_pages", "kv_budget_bytes", "kv_budget_requests") if c.get(k) is not None]
     if len(sizes) != 1:

@@ -97,9 +97,10 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     ref = spec.reference if spec.reference in arm_names else arm_names[-1]
     matrix = fault_matrix(cfg, model_cfg, params, spec, log) if spec.faults and spec.fault_trackers else {}
     results = {"experiment": "integrity", "environment": env, "settings": {
-        "model": to_container(cfg.model), "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv),
+        "model": to_container(cfg.model), "workload": to_container(w), "concurrency": concs,
+        "kv": str(cfg.quant.kv_dtype),
         "weights": str(cfg.quant.decode_weights), "curve_model": spec.curve_model,
-        "bytes_per_step": step_bytes(model_cfg, str(cfg.quant.decode_weights), str(cfg.quant.kv), w),
+        "bytes_per_step": step_bytes(model_cfg, str(cfg.quant.decode_weights), str(cfg.quant.kv_dtype), w),
         "repeats": spec.repeats, "arms": arm_names, "reference": ref, "mode": cfg.engine.mode,
         "fault_settings": {k: getattr(spec, k) for k in ("faults", "fault_trackers", "fault_trials", "fault_requests",
                                                           "fault_prompt", "fault_output", "inject_at_step")}},
@@ -159,7 +160,7 @@ def fault_matrix(cfg: DictConfig, model_cfg: Any, params: Any, spec: IntegritySp
     fcfg.engine.max_batch = n
     arms = [Arm(t, {"cache.integrity": ARM_INTEGRITY[t]}) for t in spec.fault_trackers]
     engines = build_engines(fcfg, model_cfg, params, arms, max_concurrency=n, workloads=[fw], log=log)
-    scaled = "float8" in str(cfg.quant.kv)
+    scaled = "float8" in str(cfg.quant.kv_dtype)
     faults = [f for f in spec.faults if scaled or f != "poison_scale"]
     trials: list[dict] = []
     t0 = time.perf_counter()

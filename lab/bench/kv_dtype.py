@@ -58,7 +58,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         cfg, point = apply_operating_point(cfg, spec.operating_point)
         log(f"operating point ({point['rule']}): {point['model']}, {point['weights']} weights, BF16 KV for "
             f"{point['batch']} requests; predicted peak gain {rp.pct(point['predicted_gain'])}")
-    kvs = list(dict.fromkeys(canonical_dtype(str(k)) for k in as_list(cfg.quant.kv)))
+    kvs = list(dict.fromkeys(canonical_dtype(str(k)) for k in as_list(cfg.quant.kv_dtype)))
     ref = canonical_dtype(spec.reference)
     concs = concurrencies(cfg.workload)
     if cfg.cache.num_pages is not None:
@@ -67,8 +67,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     model_cfg, params = load_model(cfg)
     budget = (budget_bytes_for_requests(model_cfg, cfg) if cfg.cache.kv_budget_requests is not None
               else int(cfg.cache.kv_budget_bytes))
-    arms = [Arm(SHORT.get(kv, kv), {"quant.kv": kv, "cache.kv_budget_bytes": budget, "cache.kv_budget_requests": None})
-            for kv in kvs]
+    arms = [Arm(SHORT.get(kv, kv), {"quant.kv_dtype": kv, "cache.kv_budget_bytes": budget,
+                                    "cache.kv_budget_requests": None}) for kv in kvs]
     kv_of = {a.name: kv for a, kv in zip(arms, kvs, strict=True)}
     ref_arm = SHORT.get(ref, ref) if ref in kvs else arms[0].name
     probe_n = spec.probe_concurrency or 2 * max(concs)

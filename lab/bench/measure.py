@@ -5,7 +5,7 @@ process*, one right after the other on the same requests, with the arm order rot
 repeat to repeat (so drift and background load hit every arm alike), and it is reported with its
 repeat-to-repeat spread. Absolute times are machine facts, not results.
 
-- :class:`Arm`: a name and the dotted config overrides that make it (``{"quant.kv": "float8_e4m3fn"}``).
+- :class:`Arm`: a name and the dotted config overrides that make it (``{"quant.kv_dtype": "float8_e4m3fn"}``).
 - :func:`build_engines`: one engine per arm from one set of weights, each warmed up (every shape compiled).
 - :func:`interleaved`: the sweep loop (repeats x points x rotated arms) with a progress bar; a timed run in which
   JAX compiled anything is run once more (the shape is compiled now) and a second compile raises

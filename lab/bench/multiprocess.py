@@ -4,7 +4,7 @@ Settings in ``configs/experiment/multiprocess.yaml``; entry point ``experiments/
 1. Throughput at the same concurrency: ``ps.Engine`` (disaggregated mode, one process) against
    :class:`~phaseserve.distributed.RayEngine` -- the same engine and scheduler, its prefill and decode workers in two
    Ray actors (each its own process and devices; KV pulled over ``jax.experimental.transfer``, control through
-   Ray calls). Same weights (the actors build them from the same :class:`~phaseserve.serving.ModelSpec`), same
+   Ray calls). Same weights (the actors build them from the same :class:`~phaseserve.distributed.ModelSource`), same
    ``ServeConfig``, same requests. Both arms are warmed up on a batch of the same shapes, then run back to back per
    repeat with the order rotated; tokens/s is output tokens over the wall time of ``generate`` (prompt to last
    token). Greedy tokens of the two arms are compared.
@@ -58,12 +58,11 @@ def _timed(generate, reqs: list[Request]) -> tuple[dict, dict]:
 
 
 def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
-    from phaseserve.distributed import RayEngine, RayOptions
-    from phaseserve.serving import ModelSpec
+    from phaseserve.distributed import ModelSource, RayEngine, RayOptions
 
     spec, out_dir = cfg.experiment, Path(out_dir)
     env = environment()
-    mspec = ModelSpec.from_hydra(cfg)
+    mspec = ModelSource.from_hydra(cfg)
     model_cfg, params = mspec.load()
     concs = [int(c) for c in as_list(spec.concurrency)]
     base = dataclasses.replace(serve_config(cfg, model_cfg), max_batch=max(concs))

@@ -1,13 +1,13 @@
 """Hydra callback that collects the jobs of a multirun sweep into one table.
 
 ``configs/config.yaml`` registers :class:`MultirunSummary` under ``hydra.callbacks``; at the end of a multirun
-(``python experiments/kv_dtype.py -m quant.kv=bf16,fp8 workload.concurrency=1,8``) it reads every job's
+(``python experiments/kv_dtype.py -m quant.kv_dtype=bf16,fp8 workload.concurrency=1,8``) it reads every job's
 ``results.json`` and writes ``README.md`` and ``summary.json`` into the sweep directory: one row per job, arm and
 point with its overrides and medians.
 
 Each job ran in its own process, one after the other, so the table has no ratios: by the measured-side-by-side
 rule ratios come only from arms interleaved in one process (give the axis as a list instead:
-``quant.kv=[bf16,fp8]``). The summary says so.
+``quant.kv_dtype=[bf16,fp8]``). The summary says so.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def summary_markdown(data: dict) -> str:
         f"# Multirun summary: {len(data['jobs'])} jobs", "",
         "Medians per job. Every job ran in its own process, one after another: compare them with care and take "
         "no ratios from this table; ratios come from a list-valued axis swept inside one process "
-        "(e.g. `quant.kv=[bf16,fp8]`), where the arms are interleaved.", "",
+        "(e.g. `quant.kv_dtype=[bf16,fp8]`), where the arms are interleaved.", "",
         f"Overrides common to every job: `{' '.join(common) or '–'}`", "", table, ""])
 
 

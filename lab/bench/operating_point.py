@@ -219,7 +219,7 @@ def model_facts(model_cfg: Any) -> dict:
 
 def roofline_step(facts: dict, batch: int, weight_bytes: int, bandwidth: float, flops: float) -> dict:
     """Lower bound of one decode step (seconds) from the machine's rates: the weights read (only the experts the
-    batch touches, ``E (1 - (1 - k/E)^B)`` per layer, as :func:`phaseserve.planner.roofline.decode` counts them)
+    batch touches, ``E (1 - (1 - k/E)^B)`` per layer, as :func:`phaseserve.planner.roofline.decode_time` counts them)
     over the bandwidth, or the matmul FLOPs over the matmul rate, whichever is larger."""
     k, e = facts["experts_per_token"], facts["num_experts"]
     frac = 1 - (1 - k / e) ** batch if e > 1 else 1.0
@@ -267,8 +267,7 @@ def machine_rates(mib: int = 512, n: int = 2048, repeats: int = 5) -> dict:
 # ---- the engine's decode step -------------------------------------------------------------------------------------
 def _rows(engine: Any, batch: int, context: int, vocab: int, tag: str) -> list:
     """``batch`` live sequences, each holding pages for ``context`` cached tokens (random ids; pool as allocated)."""
-    from phaseserve.engine.request import Request, RequestOutput
-    from phaseserve.engine.scheduler import Sequence
+    from phaseserve.engine.request import Request, RequestOutput, Sequence
 
     rng = np.random.default_rng(batch)
     rows = []
@@ -301,7 +300,7 @@ def measure_model(cfg: DictConfig, node: dict, spec: OperatingPointSpec, log=pri
     pages = -(-(spec.context + 1) // int(cfg.cache.page_size))
     base = {"engine.mode": "colocated", "engine.max_batch": max(spec.batches),
             "cache.num_pages": 1 + max(spec.batches) * pages, "cache.kv_budget_bytes": None,
-            "cache.kv_budget_requests": None, "quant.kv": "bfloat16"}
+            "cache.kv_budget_requests": None, "quant.kv_dtype": "bfloat16"}
     engines = {}
     for w in spec.weights:
         t0 = time.perf_counter()
@@ -339,7 +338,7 @@ def gpu_curve(spec: OperatingPointSpec) -> dict:
     out: dict[str, Any] = {"model": spec.gpu_model, "gpu": spec.gpu, "context": spec.gpu_context}
     for kv in ("bf16", "fp8"):
         d = deployment(spec.gpu_model, spec.gpu, 1, weights="bf16", kv=kv)
-        rows = [d.decode(b, spec.gpu_context) for b in spec.gpu_batches]
+        rows = [d.decode_time(b, spec.gpu_context) for b in spec.gpu_batches]
         out[kv] = {"kv_tokens": d.kv_tokens, "curve": {r["concurrency"]: r["step_s"] for r in rows},
                    "bound": {r["concurrency"]: r["bound"] for r in rows}}
     params = deployment(spec.gpu_model, spec.gpu, 1, weights="bf16", kv="bf16").serving.total_params

@@ -1,10 +1,10 @@
 """Where the engine's decode step spends its time: a per-op profile from XLA's own trace, grouped by component.
 
-The engine's compiled decode step (``engine.decode.decode_step`` with the integrity hooks, pool donated, as
+The engine's compiled decode step (``engine.decode_step.decode_step`` with the integrity hooks, pool donated, as
 ``engine.workers.DecodeWorker`` builds it) and the tracker's separate jitted tag check are run under
 ``jax.profiler``; every executed XLA op (a thunk of the CPU runtime, or a fused kernel) is attributed to a component
 by the name scope its HLO instruction carries (``jax.named_scope`` in ``cache.attend``, ``model.moe`` and
-``engine.decode``):
+``engine.decode_step``):
 
 ==================  ============================================================================================
 component           ops
@@ -55,7 +55,7 @@ from phaseserve.cache.integrity import IntegrityTracker, check_tags
 from phaseserve.cache.paged import as_stored, init_pool
 from phaseserve.config import ModelConfig
 from phaseserve.config_hydra import repo_path
-from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.decode_step import DecodeBatch, decode_step
 from phaseserve.model.params import init_params, param_count
 
 MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml"}

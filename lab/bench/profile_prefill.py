@@ -1,7 +1,7 @@
 """Where the engine's prefill chunk step spends its time: the decode profiler's per-op method on the prefill side.
 
-The compiled chunk step (``engine.prefill.chunk_step``, pool donated, as ``engine.workers.PrefillWorker`` jits it on
-one device) runs a batch of ``batch`` prompts of ``chunk`` tokens each, every row's first chunk (the cached
+The compiled chunk step (``engine.prefill_step.chunk_step``, pool donated, as ``engine.workers.PrefillWorker`` jits
+it on one device) runs a batch of ``batch`` prompts of ``chunk`` tokens each, every row's first chunk (the cached
 prefix is empty), under ``jax.profiler``; each executed op is attributed to a component by its name scope as in
 :mod:`lab.bench.profile_decode` (attention: the flash prefill and the keys read back from the pool;
 page writes: the chunk's KV into its pages; MoE dispatch; dense projections; sampling of the first token; rest).
@@ -27,7 +27,7 @@ from lab.bench.measure import environment
 from lab.bench.profile_decode import COMPONENTS, MODELS, compare, model_config, op_profile, random_pool, write
 from lab.markdown import fmt
 from phaseserve.config import ModelConfig
-from phaseserve.engine.prefill import ChunkBatch, chunk_step
+from phaseserve.engine.prefill_step import ChunkBatch, chunk_step
 from phaseserve.model.params import init_params
 
 

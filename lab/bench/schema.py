@@ -23,7 +23,7 @@ def experiment_spec(cfg: DictConfig, cls: type) -> Any:
 
 
 def with_overrides(cfg: DictConfig, overrides: dict[str, Any]) -> DictConfig:
-    """A copy of ``cfg`` with dotted keys replaced (``{"quant.kv": "fp8"}``), as CLI overrides would."""
+    """A copy of ``cfg`` with dotted keys replaced (``{"quant.kv_dtype": "fp8"}``), as CLI overrides would."""
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     for key, value in overrides.items():
         OmegaConf.update(out, key, value, force_add=False)

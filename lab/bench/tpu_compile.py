@@ -44,9 +44,10 @@ from phaseserve import planner, presets
 from phaseserve.cache.integrity import IntegrityTracker, check_tags
 from phaseserve.cache.paged import init_pool, value_dtype
 from phaseserve.config import ModelConfig, canonical_dtype
-from phaseserve.engine.decode import DecodeBatch
-from phaseserve.engine.prefill import ChunkBatch
-from phaseserve.engine.workers import bucket, chunk_bucket, chunk_step_jit, decode_step_jit, width_bucket
+from phaseserve.engine.decode_step import DecodeBatch
+from phaseserve.engine.prefill_step import ChunkBatch
+from phaseserve.engine.shapes import bucket, chunk_bucket, width_bucket
+from phaseserve.engine.workers import chunk_step_jit, decode_step_jit
 from phaseserve.quant.quantize import abstract_quantized, named_leaves, shape_dtype_tree, tensor_class
 from phaseserve.sharding import make_mesh, param_shardings, pool_shardings, replicated
 
@@ -362,9 +363,9 @@ def add_engine_layout(row: dict) -> dict:
     # the planner's own roofline for the same step (analytic FLOPs: cost_analysis counts no FLOPs inside Mosaic
     # kernels, which carry no cost estimate; it does count their operands' bytes)
     if sp["phase"] == "decode":
-        row["planner"]["roofline_s"] = d.decode(sp["batch"], sp["context"])["step_s"]
+        row["planner"]["roofline_s"] = d.decode_time(sp["batch"], sp["context"])["step_s"]
     else:
-        row["planner"]["roofline_s"] = d.prefill(sp["chunk"], sp["batch"])["seconds"]
+        row["planner"]["roofline_s"] = d.prefill_time(sp["chunk"], sp["batch"])["seconds"]
     return row
 
 
@@ -388,7 +389,7 @@ def rerender(out_dir: str | Path) -> dict[str, Any]:
 
 
 def prefill_pool_pages(spec: StepSpec) -> int:
-    """The prefill worker's pool (``engine.workers.prefill_pages``): two of the longest prompts plus one step's
+    """The prefill worker's pool (``engine.shapes.prefill_pages``): two of the longest prompts plus one step's
     tokens, whole pages, and the null page."""
     per_seq = -(-spec.context // spec.page_size)
     return 2 * per_seq + -(-spec.chunk // spec.page_size) + 1

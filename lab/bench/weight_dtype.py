@@ -98,7 +98,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     results = {"experiment": "weight_dtype", "environment": env, "settings": {
         "model": to_container(cfg.model), "num_experts": model_cfg.num_experts,
         "experts_per_token": model_cfg.num_experts_per_tok, "moe_layers": sum(model_cfg.moe_layers),
-        "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv), "repeats": spec.repeats,
+        "workload": to_container(w), "concurrency": concs, "kv": str(cfg.quant.kv_dtype), "repeats": spec.repeats,
         "prefill_prompt": spec.prefill_prompt, "prefill_requests": spec.prefill_requests, "mode": cfg.engine.mode,
         "weights": weights, "reference": ref}, "weights": sizes, "records": records}
     publish.publish(out_dir, results, sys.modules[__name__], cfg, log)

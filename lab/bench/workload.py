@@ -25,7 +25,7 @@ import numpy as np
 
 from phaseserve.config_hydra import LengthSpec, as_list, max_length
 from phaseserve.engine import Engine, Request
-from phaseserve.engine.workers import bucket, chunk_bucket
+from phaseserve.engine.shapes import bucket, chunk_bucket
 
 ARRIVALS = ("closed", "burst", "poisson")
 
@@ -159,7 +159,7 @@ def warmup(engine: Engine, workload: Any, max_concurrency: int, vocab_size: int)
     """Compile every decode batch bucket up to ``max_concurrency`` and every prefill (batch, prompt) bucket the
     workload reaches, with untimed runs, and the handoff's chunk sizes (``Engine.warm_handoff``). Each run
     generates the workload's longest output, so its decode steps pass through every page-table width
-    (``workers.width_bucket``) a request of that prompt bucket reaches. Returns the number of runs."""
+    (``shapes.width_bucket``) a request of that prompt bucket reaches. Returns the number of runs."""
     engine.warm_handoff()
     lo, hi = min_length(workload.prompt), max_length(workload.prompt)
     new_tokens = max(3, max_length(workload.output))

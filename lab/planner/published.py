@@ -174,9 +174,9 @@ def throughput_vs_published(prompt_len: int = 8192, output_len: int = 1024, assu
     for f in PUBLISHED_THROUGHPUT:
         d = deployment(**f.deploy, assumptions=assumptions, **overrides)
         if f.phase == "prefill":
-            value = d.prefill(prompt_len)["prompt_tok_s"]
+            value = d.prefill_time(prompt_len)["prompt_tok_s"]
         else:
-            value = d.decode(f.concurrency, prompt_len + output_len // 2)["tok_s"]
+            value = d.decode_time(f.concurrency, prompt_len + output_len // 2)["tok_s"]
         pub = figures.value(f.figure)
         rows.append({"figure": figures.figure(f.figure).what, "published": pub, "roofline": value,
                      "roofline / published": value / pub})

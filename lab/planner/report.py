@@ -65,7 +65,7 @@ def capacity_report(models: list[str], gpus: list[str], num_gpus: int | dict[str
                     curve = d.decode_curve(concurrencies, prompt_len, output_len)
                     dec.append({"model": m, "gpu": g, "weights": w, "kv": kv}
                                | {f"c={r['concurrency']}": r["tok_s"] if r["fits_kv"] else None for r in curve})
-                pr = deployment(m, g, n_for(m), w, kvs[0], a).prefill(prompt_len)
+                pr = deployment(m, g, n_for(m), w, kvs[0], a).prefill_time(prompt_len)
                 pre.append({"model": m, "gpu": g, "weights": w, "prompt_tok_s": pr["prompt_tok_s"],
                             "seconds_per_prompt": pr["seconds"]})
     out["capacity"], out["decode_tok_s"], out["prefill"] = cap, dec, pre

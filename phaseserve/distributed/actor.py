@@ -9,7 +9,7 @@ allocators, admission and the finish rule stay in the engine -- so its methods t
 - ``run_batch``: one jitted chunk step (prefill) or one integrity-checked decode step (decode; the engine's page
   tag changes come with the call and are pushed to the device tag mirror first);
 - ``stage``: export pages (quantized to the receiver's storage dtype) into a tag-checked
-  :class:`~phaseserve.serving.transfer.StagingArea` and return the :class:`TransferDescriptor` naming them;
+  :class:`~phaseserve.distributed.transfer.StagingArea` and return the :class:`TransferDescriptor` naming them;
   ``arm``: verify a descriptor and arm its pull; ``release``: free a staged entry;
 - ``pull_land``: pull a peer's staged KV over ``jax.experimental.transfer`` into fresh buffers (a deadline polled
   with ``is_ready()``, never blocking on an unready array) and write it into pages of this pool.
@@ -30,16 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from phaseserve.config import ServeConfig
-from phaseserve.engine.handoff import export_pages, join_chunks, split_chunks
-from phaseserve.engine.workers import build_decode, build_prefill, prefill_params
-from phaseserve.serving.protocol import (
-    ModelSpec,
+from phaseserve.distributed.protocol import (
+    ModelSource,
     PeerDeadError,
     TransferDescriptor,
     TransferError,
     TransferTimeoutError,
 )
-from phaseserve.serving.transfer import Puller, StagingArea, start_endpoint
+from phaseserve.distributed.transfer import Puller, StagingArea, start_endpoint
+from phaseserve.engine.handoff import export_pages, join_chunks, split_chunks
+from phaseserve.engine.workers import build_decode, build_prefill, prefill_params
 from phaseserve.sharding import make_mesh
 
 PHASES = ("prefill", "decode")
@@ -50,7 +50,7 @@ CALLS = frozenset({"info", "kernels", "snapshot", "pool_ok", "reset_pool", "run_
 class PhaseActor:
     """One phase's device half (see the module docstring); ``phase``: ``"prefill"`` or ``"decode"``."""
 
-    def __init__(self, phase: str, model: ModelSpec, serve: ServeConfig, *, decode_pages: int | None = None,
+    def __init__(self, phase: str, model: ModelSource, serve: ServeConfig, *, decode_pages: int | None = None,
                  attn_impl: str = "auto", matmul_impl: str = "auto", bind: str | None = "127.0.0.1",
                  staging_pages: int = 4096, staging_ttl_s: float = 120.0):
         if phase not in PHASES:
@@ -67,9 +67,8 @@ class PhaseActor:
             self.worker = build_prefill(cfg, prefill_params(cfg, params, serve, mesh), serve, mesh, decode_pages,
                                         attn_impl=attn_impl, matmul_impl=matmul_impl)
         # what this pool receives (a payload in its own storage dtype): the tree the pulled flat leaves form
-        own = self.worker.kv_dtype if phase == "decode" else self.worker.pool_dtype
         self._tree = jax.tree.structure(jax.eval_shape(
-            lambda pool: export_pages(pool, jnp.zeros(1, jnp.int32), own), self.worker.pool))
+            lambda pool: export_pages(pool, jnp.zeros(1, jnp.int32), self.worker.pool_dtype), self.worker.pool))
         self.device = devices[0]
         self.endpoint = start_endpoint(bind or _node_ip(), self.device)  # None: this node's address in Ray
         self.staging = StagingArea(self.endpoint, staging_pages, serve.cache.page_size, staging_ttl_s)
@@ -92,8 +91,7 @@ class PhaseActor:
     def info(self) -> dict:
         w = self.worker
         return dict(phase=self.phase, incarnation=self.incarnation, num_pages=w.num_pages, page_size=w.page_size,
-                    kv_dtype=w.kv_dtype,
-                    pool_dtype=getattr(w, "pool_dtype", w.kv_dtype), address=self.staging.address, pid=os.getpid(),
+                    pool_dtype=w.pool_dtype, address=self.staging.address, pid=os.getpid(),
                     node_id=_node_id(), devices=[str(d) for d in jax.local_devices()])
 
     def ping(self) -> int:
@@ -148,7 +146,7 @@ class PhaseActor:
         chunks = self.worker.export(pages) if self.phase == "prefill" else self.worker.export(pages, dtype)
         leaves = [jax.device_put(x[0], self.device) for x in jax.tree.leaves(join_chunks(chunks))]  # [T, ...]
         desc = self.staging.stage(request_id, leaves, len(pages) * self.worker.page_size,
-                                  str(dtype or self.worker.kv_dtype))
+                                  str(dtype or self.worker.export_dtype))
         if desc is None:
             raise TransferError(f"the {self.phase} staging area is full ({self.staging.pages_in_use} pages)")
         self.stats["staged"] += 1

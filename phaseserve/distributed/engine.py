@@ -33,11 +33,11 @@ import ray
 
 from phaseserve.config import ConfigError, ModelConfig, ServeConfig
 from phaseserve.distributed.actor import PhaseActor
+from phaseserve.distributed.protocol import SECRET_ENV, ModelSource, deployment_secret
 from phaseserve.distributed.workers import RayHandoff, RemoteDecode, RemotePrefill
 from phaseserve.engine.engine import Engine
 from phaseserve.engine.request import Limits
 from phaseserve.engine.workers import PhaseWorkers
-from phaseserve.serving.protocol import SECRET_ENV, ModelSpec, deployment_secret
 
 
 @dataclass
@@ -92,7 +92,7 @@ def connect(options: RayOptions) -> None:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
-def model_config(spec: ModelSpec) -> ModelConfig:
+def model_config(spec: ModelSource) -> ModelConfig:
     """The model config alone (no weights): the engine process needs no weights."""
     if spec.checkpoint:
         return ModelConfig.from_hf_config(json.loads((Path(spec.checkpoint) / "config.json").read_text()))
@@ -115,7 +115,7 @@ def actor_env(options: RayOptions, num_devices: int) -> dict[str, str]:
     return env
 
 
-def spawn(phase: str, model: ModelSpec, serve: ServeConfig, options: RayOptions, **kw: Any) -> Any:
+def spawn(phase: str, model: ModelSource, serve: ServeConfig, options: RayOptions, **kw: Any) -> Any:
     """Start one phase's actor (not waited for): placed by the phase's resources, restarted by Ray on death."""
     m = serve.mesh
     n = m.prefill_tp if phase == "prefill" else m.decode_tp * m.decode_ep
@@ -132,7 +132,7 @@ class RayEngine(Engine):
     """The :class:`~phaseserve.engine.engine.Engine` over a prefill actor and a decode actor (module docstring).
     Same API (``generate``, ``stream``, ``add_request`` / ``step``, ``cancel``, ``summary``), same greedy tokens."""
 
-    def __init__(self, model: ModelSpec, serve: ServeConfig, options: RayOptions | None = None,
+    def __init__(self, model: ModelSource, serve: ServeConfig, options: RayOptions | None = None,
                  attn_impl: str = "auto", matmul_impl: str = "auto"):
         if serve.mode != "disaggregated":
             raise ConfigError(f"the Ray backend serves mode='disaggregated' (got {serve.mode!r})")
@@ -173,7 +173,7 @@ class RayEngine(Engine):
         """From a composed ``configs/config.yaml`` tree; the Ray options come from ``experiment.ray``."""
         from phaseserve.config_hydra import serve_config
 
-        model = ModelSpec.from_hydra(hydra_cfg)
+        model = ModelSource.from_hydra(hydra_cfg)
         exp = hydra_cfg.get("experiment") or {}
         engine_cfg = hydra_cfg.get("engine") or {}
         return cls(model, serve_config(hydra_cfg, model_config(model)), RayOptions.from_dict(exp.get("ray")),

@@ -4,7 +4,7 @@
 ``DecodeWorker`` (``engine.workers``), so the one :class:`~phaseserve.engine.engine.Engine` drives them
 unchanged. Each keeps this phase's page allocator and page tables in the engine's process (the scheduler admits,
 grows, preempts and releases against them as in process) and builds each step's batch with the same functions the
-local workers use (:func:`~phaseserve.engine.workers.chunk_batch`, :func:`~phaseserve.engine.workers.decode_inputs`,
+local workers use (:func:`~phaseserve.engine.batches.chunk_batch`, :func:`~phaseserve.engine.batches.decode_inputs`,
 :func:`~phaseserve.engine.workers.pages_to_scrub`); only arrays and page ids go to the actor
 (:class:`~phaseserve.distributed.actor.PhaseActor`).
 
@@ -13,7 +13,7 @@ source actor; ``land`` has the source verify and arm it, the destination actor p
 ``jax.experimental.transfer`` and write it, then the source frees it.
 
 Death. Any call that finds its actor dead (Ray's ``RayActorError``: ``ActorDiedError``, ``ActorUnavailableError``)
-raises :class:`~phaseserve.serving.protocol.PeerDeadError` and marks the pool lost (``pool_ok()`` False): the
+raises :class:`~phaseserve.distributed.protocol.PeerDeadError` and marks the pool lost (``pool_ok()`` False): the
 engine then ends the requests whose KV was there (``Engine._pool_lost``: requeued when nothing was emitted yet,
 since ``requeue_lost``), and ``reset_pool()`` marks the worker *down* until Ray has restarted the actor
 (``max_restarts``) and a ping answers (:meth:`RemoteWorker.revive`); the decode worker then sends the full page
@@ -31,20 +31,12 @@ import ray
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import KVIntegrityError
-from phaseserve.engine.request import Limits
-from phaseserve.engine.scheduler import Chunk, Sequence
-from phaseserve.engine.workers import (
-    DecodeWorker,
-    chunk_batch,
-    chunk_groups,
-    decode_inputs,
-    decode_shapes,
-    pages_to_scrub,
-    prefill_shapes,
-    warm_chunk_batch,
-    warm_decode_inputs,
-)
-from phaseserve.serving.protocol import PeerDeadError, TransferDescriptor
+from phaseserve.distributed.protocol import PeerDeadError, TransferDescriptor
+from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_batch, warm_decode_inputs
+from phaseserve.engine.request import Limits, Sequence
+from phaseserve.engine.scheduler import Chunk
+from phaseserve.engine.shapes import chunk_groups, decode_shapes, prefill_shapes
+from phaseserve.engine.workers import DecodeWorker, pages_to_scrub
 
 
 @dataclass(frozen=True)
@@ -82,7 +74,7 @@ class RemoteWorker:
         self.phase, self.handle, self.info = phase, handle, info
         self.incarnation = info["incarnation"]  # the actor incarnation whose pool this host half describes
         self.num_pages, self.page_size = info["num_pages"], info["page_size"]
-        self.kv_dtype, self.pool_dtype = info["kv_dtype"], info["pool_dtype"]
+        self.pool_dtype = info["pool_dtype"]
         self.allocator = PageAllocator(self.num_pages)
         self.transfer_timeout_s = transfer_timeout_s
         self.lost: Exception | None = None  # a death noticed and not yet handled by the engine

@@ -110,8 +110,3 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)),
                         tree)
 
-
-def pad_rows(a: np.ndarray, rows: int, cols: int | None = None, fill: Any = 0) -> np.ndarray:
-    """``a`` [B] or [B, C] padded with ``fill`` to ``rows`` (and ``cols``)."""
-    widths = [(0, rows - a.shape[0])] + ([(0, cols - a.shape[1])] if a.ndim == 2 else [])
-    return np.pad(a, widths, constant_values=fill)

@@ -56,12 +56,15 @@ from phaseserve.engine.request import (
     Logprob,
     Request,
     RequestOutput,
+    Sequence,
+    logprob_at,
     nonfinite_logits,
     open_request,
+    stop_reason,
 )
 from phaseserve.engine.sampling import NONFINITE_TOKEN
-from phaseserve.engine.scheduler import Chunk, Scheduler, Sequence
-from phaseserve.engine.workers import PhaseWorkers, local_workers, logprob_at, stop_reason
+from phaseserve.engine.scheduler import Chunk, Scheduler
+from phaseserve.engine.workers import PhaseWorkers, local_workers
 from phaseserve.model.params import Params
 
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id

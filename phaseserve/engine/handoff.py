@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from phaseserve.cache.paged import PagePool, gather_layer, write_prequantized
-from phaseserve.engine.prefill import quantize_layer_kv
+from phaseserve.cache.paged import PagePool, gather_layer, quantize_kv, write_prequantized
 
 
 class Handoff(Protocol):
@@ -48,6 +48,13 @@ class InProcessHandoff:
     def transfer(self, kvq: list, dst: jax.sharding.Sharding) -> list:
         self.bytes_moved += kv_nbytes(kvq)
         return jax.device_put(kvq, dst)
+
+
+def quantize_layer_kv(kv: Any, kv_dtype, compute_dtype) -> list[tuple[jax.Array, jax.Array | None]]:
+    """One layer's KV (as the model returns it), rounded to ``compute_dtype`` -> [(values, scale | None)] in
+    ``kv_dtype`` (per-token scales for FP8)."""
+    parts = list(kv) if isinstance(kv, tuple) else [kv]
+    return [quantize_kv(x.astype(compute_dtype), kv_dtype) for x in parts]
 
 
 def export_pages(pool: PagePool, pages: jax.Array, dtype: Any) -> list:
@@ -91,3 +98,24 @@ def split_chunks(payload: list, page_size: int) -> list[list]:
 def kv_nbytes(kvq: Any) -> int:
     """Bytes of a handoff payload (every array leaf, scales included)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvq))
+
+
+def export_paged(fn: Any, pool: Any, pages: list[int], dtype: str) -> list[list]:
+    """``fn`` (jitted :func:`export_pages`) once per power-of-two chunk of ``pages``: the chunk payloads."""
+    out, start = [], 0
+    for size in page_chunks(len(pages)):
+        out.append(fn(pool, np.asarray(pages[start:start + size], np.int32), dtype))
+        start += size
+    return out
+
+
+def import_paged(fn: Any, pool: Any, pages: list[int], chunks: list[list]) -> Any:
+    """``fn`` (jitted :func:`import_pages`, pool donated) once per chunk payload of :func:`export_paged`."""
+    sizes = page_chunks(len(pages))
+    if len(sizes) != len(chunks):
+        raise ValueError(f"{len(pages)} pages come in {len(sizes)} chunks, got {len(chunks)}")
+    start = 0
+    for size, payload in zip(sizes, chunks, strict=True):
+        pool = fn(pool, payload, np.asarray(pages[start:start + size], np.int32))
+        start += size
+    return pool

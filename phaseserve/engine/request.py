@@ -1,4 +1,6 @@
-"""Requests, their outputs and the typed errors a request can end with.
+"""Requests, their outputs and the typed errors a request can end with; :class:`Sequence`, the engine's state of one
+request in flight (its tokens so far, prefill progress, prefix pages, swap copy), and :func:`stop_reason`, the one
+finish rule (stop tokens, eos unless ``ignore_eos``, ``max_tokens``).
 
 A :class:`Request` is what a user submits; the engine (in process or on Ray) validates it on arrival
 with :func:`validate` -- the one copy of the rules -- and a bad request ends alone with ``finish_reason="error"``
@@ -89,6 +91,16 @@ class Logprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def logprob_at(arrays: tuple[np.ndarray, ...] | None, index: tuple, token: int, n_top: int | None) -> Logprob | None:
+    """The :class:`Logprob` at ``index`` of a step's host logprob arrays ``(logprob, top logprobs, top ids)``, with
+    ``n_top`` alternatives; None when the request did not ask (``n_top`` None) or the step computed none."""
+    if arrays is None or n_top is None:
+        return None
+    lp, top_lp, top_ids = arrays
+    top = tuple((int(t), float(v)) for t, v in zip(top_ids[index][:n_top], top_lp[index][:n_top], strict=True))
+    return Logprob(int(token), float(lp[index]), top)
+
+
 FINISH_REASONS = ("length", "stop", "aborted", "error")  # the only values ``RequestOutput.finish_reason`` takes
 
 
@@ -158,6 +170,52 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-side state of one request."""
+
+    request: Request
+    output: RequestOutput
+    tokens: list[int]  # prompt + generated so far
+    num_prompt: int  # tokens prefilled at the last admission (prompt, plus generated ones after a preemption)
+    shared_pages: int = 0  # leading pages taken from the prefix cache at admission
+    computed: int = 0  # prompt tokens (of num_prompt) whose KV exists: prefilling while computed < num_prompt
+    hashes: tuple[int, list[bytes]] | None = None  # (num_prompt, its full pages' hash chain), computed once
+    admitted_order: int = 0
+    swap: Any = None  # preemption="swap": the pages held at preemption, then their KV on the host, until swapped in
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.num_prompt
+
+    @property
+    def next_position(self) -> int:
+        """Position of the pending input token (the last one in ``tokens``) in the next decode step."""
+        return len(self.tokens) - 1
+
+
+
+def stop_reason(req: Request, token: int, num_generated: int, eos_ids: tuple[int, ...]) -> str | None:
+    """``"stop"`` on a stop (or, unless ``ignore_eos``, eos) token past the first ``min_tokens`` (such a token
+    earlier is kept, and generation goes on: the finish rule, not a mask on the logits), ``"length"`` at
+    ``max_tokens``, else None."""
+    stoppable = num_generated > req.min_tokens
+    if stoppable and (token in req.stop_token_ids or (not req.ignore_eos and token in eos_ids)):
+        return "stop"
+    if num_generated >= req.max_tokens:
+        return "length"
+    return None
+
 
 
 @dataclass(frozen=True)

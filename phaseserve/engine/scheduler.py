@@ -47,42 +47,9 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from phaseserve.cache.allocator import PageTables
-from phaseserve.engine.request import Request, RequestOutput, pages_ever
-
-
-@dataclass(eq=False)
-class Sequence:
-    """Engine-side state of one request."""
-
-    request: Request
-    output: RequestOutput
-    tokens: list[int]  # prompt + generated so far
-    num_prompt: int  # tokens prefilled at the last admission (prompt, plus generated ones after a preemption)
-    shared_pages: int = 0  # leading pages taken from the prefix cache at admission
-    computed: int = 0  # prompt tokens (of num_prompt) whose KV exists: prefilling while computed < num_prompt
-    hashes: tuple[int, list[bytes]] | None = None  # (num_prompt, its full pages' hash chain), computed once
-    admitted_order: int = 0
-    swap: Any = None  # preemption="swap": the pages held at preemption, then their KV on the host, until swapped in
-
-    @property
-    def id(self) -> str:
-        return self.request.id
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - len(self.request.prompt)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.num_prompt
-
-    @property
-    def next_position(self) -> int:
-        """Position of the pending input token (the last one in ``tokens``) in the next decode step."""
-        return len(self.tokens) - 1
+from phaseserve.engine.request import Request, Sequence, pages_ever
 
 
 def page_hashes(tokens: list[int], page_size: int, salt: str, num_pages: int) -> list[bytes]:

@@ -20,7 +20,7 @@ float (not an integer or bool) and be finite once cast to the load dtype (:class
 tensor and its first bad element, in HF layout).
 
 This module reads plain (float) checkpoints; :mod:`phaseserve.quant.loader` plugs the quantized formats into
-:func:`load_checkpoint`'s reader hook and is the public ``phaseserve.load_checkpoint``.
+:func:`read_checkpoint`'s reader hook and is the public ``phaseserve.load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -449,7 +449,7 @@ def model_config(hf: dict) -> ModelConfig:
 
 def read_config(directory: str | Path) -> tuple[ModelConfig, dict]:
     """``(ModelConfig, config.json dict)``, every failure a :class:`CheckpointError` (not checked against the
-    tensors: :func:`load_checkpoint` does that before it builds the config)."""
+    tensors: :func:`read_checkpoint` does that before it builds the config)."""
     hf = read_hf_config(directory)
     return model_config(hf), hf
 
@@ -501,7 +501,7 @@ class SkippedTensorsWarning(UserWarning):
         self.names = names
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32", reader: LeafReader = read_plain, *,
+def read_checkpoint(path: str | Path, dtype: str = "float32", reader: LeafReader = read_plain, *,
                     strict: bool = True) -> tuple[ModelConfig, Params]:
     """Read an HF checkpoint directory into ``(cfg, params)`` with every floating leaf cast to ``dtype``
     (routers and correction biases stay float32).

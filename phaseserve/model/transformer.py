@@ -5,7 +5,7 @@
   dispatch (training) returning each MoE layer's expert load;
 - :func:`decode_step`: one new token per row through every layer, with the KV storage left to the caller: an
   ``attend(cache, q, kv) -> (cache, o)`` callback writes the token's KV into that layer's cache and attends over it.
-  The engine's paged step (``engine.decode``), the fault-injection harness and the cached reference generator
+  The engine's paged step (``engine.decode_step``), the fault-injection harness and the cached reference generator
   (``eval.cached_decode``) all run this one function with the paged attention of ``phaseserve.cache.attend``.
 """
 

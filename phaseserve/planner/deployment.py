@@ -190,11 +190,11 @@ class Deployment:
 
     # ---- roofline -------------------------------------------------------------------------------------------
     # ---- step times (phaseserve.planner.roofline) -------------------------------------------------------------
-    def prefill(self, prompt_len: int, batch: int = 1) -> dict[str, float]:
-        return roofline.prefill(self, prompt_len, batch)
+    def prefill_time(self, prompt_len: int, batch: int = 1) -> dict[str, float]:
+        return roofline.prefill_time(self, prompt_len, batch)
 
-    def decode(self, concurrency: int, context_len: int) -> dict[str, Any]:
-        return roofline.decode(self, concurrency, context_len)
+    def decode_time(self, concurrency: int, context_len: int) -> dict[str, Any]:
+        return roofline.decode_time(self, concurrency, context_len)
 
     def decode_curve(self, concurrencies: list[int], prompt_len: int, output_len: int,
                      rule: str = "on_demand") -> list[dict[str, Any]]:
@@ -224,9 +224,9 @@ class Deployment:
             out["workload"] = {
                 "prompt_len": prompt_len, "output_len": output_len,
                 "admitted_reserve": adm["reserve"], "admitted_on_demand": adm["on_demand"],
-                "prefill_prompt_tok_s": self.prefill(prompt_len)["prompt_tok_s"],
-                "decode_tok_s_c1": self.decode(1, ctx)["tok_s"],
-                "decode_tok_s_at_admitted": (self.decode(adm["on_demand"], ctx)["tok_s"]
+                "prefill_prompt_tok_s": self.prefill_time(prompt_len)["prompt_tok_s"],
+                "decode_tok_s_c1": self.decode_time(1, ctx)["tok_s"],
+                "decode_tok_s_at_admitted": (self.decode_time(adm["on_demand"], ctx)["tok_s"]
                                              if adm["on_demand"] else 0.0),
             }
         return out

@@ -62,7 +62,7 @@ def compute_time(d: Deployment, flops: dict[str, float], devices: int) -> float:
     return sum(f / (d.hw.rate(k) * eff * devices) for k, f in flops.items())
 
 
-def prefill(d: Deployment, prompt_len: int, batch: int = 1) -> dict[str, float]:
+def prefill_time(d: Deployment, prompt_len: int, batch: int = 1) -> dict[str, float]:
     """Compute-bound prefill of ``batch`` prompts of ``prompt_len`` tokens on one replica."""
     if prompt_len < 1 or batch < 1:
         raise PlannerError(f"prefill needs prompt_len >= 1 and batch >= 1, got {prompt_len}, {batch}")
@@ -80,7 +80,7 @@ def prefill(d: Deployment, prompt_len: int, batch: int = 1) -> dict[str, float]:
     return {"seconds": t, "prompt_tok_s": batch * prompt_len / t, "flops": sum(flops.values())}
 
 
-def decode(d: Deployment, concurrency: int, context_len: int) -> dict[str, Any]:
+def decode_time(d: Deployment, concurrency: int, context_len: int) -> dict[str, Any]:
     """One bandwidth-bound decode step of ``concurrency`` requests (per replica) with ``context_len`` cached."""
     if concurrency < 1 or context_len < 0:
         raise PlannerError(f"decode needs concurrency >= 1 and context_len >= 0, got {concurrency}, {context_len}")
@@ -123,4 +123,4 @@ def decode_curve(d: Deployment, concurrencies: list[int], prompt_len: int, outpu
     """
     limit = d.admitted(prompt_len, output_len, rule)
     ctx = prompt_len + output_len // 2
-    return [{**decode(d, c, ctx), "fits_kv": c <= limit} for c in concurrencies]
+    return [{**decode_time(d, c, ctx), "fits_kv": c <= limit} for c in concurrencies]

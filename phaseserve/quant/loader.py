@@ -169,7 +169,7 @@ def _stack(parts: list[Any], names: list[str]) -> Any:
 
 def read_quantized(store: TensorStore, names: list[str], transpose: bool, info: ArrayInfo, qcfg: dict,
                    ) -> tuple[Any, set[str]]:
-    """Leaf reader for ``model.loader.load_checkpoint``: a leaf in the layout its tensors are stored in."""
+    """Leaf reader for ``model.loader.read_checkpoint``: a leaf in the layout its tensors are stored in."""
     scheme = parse_scheme(qcfg)
     kinds = {_kind(store, n) for n in names}
     if kinds == {"plain"}:
@@ -195,7 +195,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", *, strict: bool = 
     ``strict``: any tensor the loader did not use is an ``UnexpectedTensorError`` naming it (default);
     ``strict=False`` skips them and lists them in a ``SkippedTensorsWarning``. ``policy``: convert the result
     to that policy (``quantize_params``); leaves already in its representation are kept bit for bit."""
-    cfg, params = base.load_checkpoint(path, dtype, reader=read_quantized, strict=strict)
+    cfg, params = base.read_checkpoint(path, dtype, reader=read_quantized, strict=strict)
     if policy is not None:
         from phaseserve.quant.quantize import quantize_params
 

@@ -20,7 +20,7 @@ from phaseserve.engine import (
     PromptTooLongError,
     Request,
 )
-from phaseserve.engine.decode import decode_step
+from phaseserve.engine.decode_step import decode_step
 from tests.e2e.engine_utils import F32, make_checkpoint, random_requests, serve_config
 
 FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
@@ -207,7 +207,7 @@ def test_noop_tracker_adds_nothing_to_the_decode_step(mla):
     eng = ps.Engine(cfg, params, serve_config(integrity=False))
     assert isinstance(eng.tracker, NoopTracker)
     b = 4
-    from phaseserve.engine.decode import DecodeBatch
+    from phaseserve.engine.decode_step import DecodeBatch
 
     batch = DecodeBatch(tokens=np.ones(b, np.int32), positions=np.arange(b, dtype=np.int32),
                         page_table=np.zeros((b, 16), np.int32), active=np.ones(b, bool),
@@ -248,7 +248,7 @@ def test_engine_from_hydra_config():
 
     configs = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs")
     with initialize_config_dir(config_dir=configs, version_base=None):
-        cfg = compose(config_name="config", overrides=["model=tiny_mla", "quant.kv=fp8"])
+        cfg = compose(config_name="config", overrides=["model=tiny_mla", "quant.kv_dtype=fp8"])
     eng = ps.Engine.from_hydra(cfg)
     assert eng.kv_dtype == "float8_e4m3fn" and eng.serve.mode == cfg.engine.mode
     out = eng.generate([Request(id="h", prompt=[1, 2, 3], max_tokens=4, ignore_eos=True)])[0]

@@ -21,8 +21,7 @@ import pytest
 import phaseserve as ps
 from phaseserve.engine import Request
 from phaseserve.engine import engine as engine_module
-from phaseserve.engine.request import DuplicateRequestError, Limits, PromptTooLongError, validate
-from phaseserve.engine.scheduler import Sequence
+from phaseserve.engine.request import DuplicateRequestError, Limits, PromptTooLongError, Sequence, validate
 from phaseserve.server.loop import EngineBackend, EngineLoop
 from tests.e2e.engine_utils import make_checkpoint, serve_config
 

@@ -25,11 +25,11 @@ import ray
 
 import phaseserve as ps
 from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.distributed.protocol import ForgedDescriptorError, StaleDescriptorError
+from phaseserve.distributed.transfer import DescriptorAuth
 from phaseserve.engine import Engine
 from phaseserve.server import EngineBackend, create_app
 from phaseserve.server.launch import build_backend, compose, start_in_thread
-from phaseserve.serving.protocol import ForgedDescriptorError, StaleDescriptorError
-from phaseserve.serving.transfer import DescriptorAuth
 
 MODEL = "phaseserve-default"
 TOK = ByteTokenizer()

@@ -11,9 +11,8 @@ import pytest
 import ray
 
 import phaseserve as ps
-from phaseserve.distributed import RayEngine, RayOptions
+from phaseserve.distributed import ModelSource, RayEngine, RayOptions
 from phaseserve.engine import Request
-from phaseserve.serving import ModelSpec
 from tests.e2e.engine_utils import F32, serve_config
 from tests.parity.hf_models import build, dsa_config
 
@@ -31,7 +30,7 @@ def test_ray_actors_carry_index_keys(tmp_path, lengths):
             for i, n in enumerate(lengths)]
     serve = serve_config("disaggregated", quant=FP8_KV, num_pages=64, max_batch=4)
     ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve).generate(reqs)}
-    engine = RayEngine(ModelSpec(checkpoint=str(tmp_path)), serve, RayOptions(transfer_timeout_s=240.0))
+    engine = RayEngine(ModelSource(checkpoint=str(tmp_path)), serve, RayOptions(transfer_timeout_s=240.0))
     try:
         outs = engine.generate(reqs)
         engine.check_invariants()

@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 import phaseserve as ps
 from phaseserve.config_hydra import load_model
+from phaseserve.distributed.protocol import ModelSource
 from phaseserve.qarrays import Fp8Weight, Int4Weight
-from phaseserve.serving.protocol import ModelSpec
 from tests.e2e.engine_utils import hf_greedy, random_requests, serve_config
 from tests.parity.hf_models import build
 from tests.unit.quant_writers import expand_blocks, fp8_blocks, int4_groups, pack_int32
@@ -107,12 +107,12 @@ def test_load_checkpoint_serves_the_stored_weights(checkpoints, layout):
 
 def test_every_entry_point_uses_the_one_loader(checkpoints):
     """Hydra configs (``model.checkpoint``, what ``Engine.from_hydra`` and the bench experiments load) and the
-    serving processes' :class:`ModelSpec` return the checkpoint's own INT4 words, as ``ps.load_checkpoint`` does."""
+    serving processes' :class:`ModelSource` return the checkpoint's own INT4 words, as ``ps.load_checkpoint`` does."""
     d = checkpoints["int4"][0]
     _, direct = ps.load_checkpoint(d)
     _, hydra = load_model(OmegaConf.create({"model": {"name": "int4", "checkpoint": str(d), "preset": None,
                                                       "hf": None, "overrides": {}, "dtype": "float32"}}))
-    _, served = ModelSpec(checkpoint=str(d)).load()
+    _, served = ModelSource(checkpoint=str(d)).load()
     for params in (hydra, served):
         w = params.layers[2].mlp.w_gate
         assert isinstance(w, Int4Weight) and np.array_equal(np.asarray(w.packed),

@@ -2,7 +2,7 @@
 descriptor checks one field at a time (the prefill side of ``jax.experimental.transfer``: wrong server, unknown
 uuid, mismatched fields, stale tags, a replay, a genuine descriptor asked for by another request), a real pull of
 staged FP8 KV, release and TTL expiry without leaks; and a two-process ``jax.distributed`` mesh on CPU (the
-bring-up a phase spanning hosts needs, ``phaseserve.serving.multihost``). Children are spawned (never forked) with
+bring-up a phase spanning hosts needs, ``phaseserve.distributed.multihost``). Children are spawned (never forked) with
 ``JAX_PLATFORMS=cpu``; every wait has a timeout.
 """
 
@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from phaseserve.serving import StaleDescriptorError
+from phaseserve.distributed import StaleDescriptorError
 
 
 def test_staging_area_checks_each_descriptor_field():
-    from phaseserve.serving.protocol import ForgedDescriptorError
-    from phaseserve.serving.transfer import Puller, StagingArea, start_endpoint
+    from phaseserve.distributed.protocol import ForgedDescriptorError
+    from phaseserve.distributed.transfer import Puller, StagingArea, start_endpoint
 
     staging = StagingArea(start_endpoint(), num_pages=4, page_size=4, ttl_s=60.0)
     vals = jax.random.normal(jax.random.key(0), (8, 3)).astype(jnp.float8_e4m3fn)
@@ -59,8 +59,8 @@ def test_staging_area_checks_each_descriptor_field():
 def test_two_process_jax_distributed_mesh_on_cpu():
     import multiprocessing as mp
 
-    from phaseserve.serving.multihost import free_port, selfcheck_worker
-    from phaseserve.serving.protocol import child_env
+    from phaseserve.distributed.multihost import free_port, selfcheck_worker
+    from phaseserve.distributed.protocol import child_env
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

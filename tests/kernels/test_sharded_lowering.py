@@ -26,7 +26,7 @@ from jax import export
 import phaseserve as ps
 from phaseserve import kernel_mesh
 from phaseserve.config import ModelConfig
-from phaseserve.engine.decode import DecodeBatch
+from phaseserve.engine.decode_step import DecodeBatch
 from phaseserve.model import transformer
 from phaseserve.sharding import sharded_step
 

@@ -60,7 +60,7 @@ def test_integrity_at_the_published_shape_fits_its_model_and_pool():
 
 def test_experiment_defaults_select_their_groups():
     kv = _compose("experiment/kv_dtype")
-    assert list(kv.quant.kv) == ["bfloat16", "float8_e4m3fn"]
+    assert list(kv.quant.kv_dtype) == ["bfloat16", "float8_e4m3fn"]
     assert kv.cache.kv_budget_requests == 16 and kv.cache.num_pages is None
     assert list(kv.workload.concurrency) == [1, 4, 8, 16, 32]
     integ = _compose("experiment/integrity")
@@ -109,7 +109,7 @@ def test_experiment_spec_validates_the_experiment_node():
 
 # ---- Hydra -> engine objects ------------------------------------------------------------------------------
 def test_serve_config_maps_every_field():
-    cfg = _compose("config", TINY + ["quant=phase", "quant.kv=fp8", "cache.num_pages=77", "cache.integrity=false",
+    cfg = _compose("config", TINY + ["quant=phase", "quant.kv_dtype=fp8", "cache.num_pages=77", "cache.integrity=false",
                                      "cache.admission=on_demand", "engine.mode=colocated", "engine.max_batch=5",
                                      "engine.max_prefill_tokens=512", "mesh=cpu8"])
     model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
@@ -125,7 +125,7 @@ def test_serve_config_maps_every_field():
 def test_serve_config_refuses_sweep_lists_and_ambiguous_sizes():
     cfg = _compose("experiment/kv_dtype", TINY)
     model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
-    with pytest.raises(ConfigError, match="quant.kv is a sweep list"):
+    with pytest.raises(ConfigError, match="quant.kv_dtype is a sweep list"):
         config_hydra.serve_config(cfg, model_cfg)
     both = _compose("config", TINY + ["cache.kv_budget_bytes=100000"])  # num_pages is set by cache/default too
     with pytest.raises(ConfigError, match="exactly one of"):
@@ -135,7 +135,7 @@ def test_serve_config_refuses_sweep_lists_and_ambiguous_sizes():
 
 
 def test_budget_in_requests_holds_exactly_that_many_bf16_requests():
-    cfg = _compose("experiment/kv_dtype", TINY + ["quant.kv=bf16", "cache.kv_budget_requests=3"])
+    cfg = _compose("experiment/kv_dtype", TINY + ["quant.kv_dtype=bf16", "cache.kv_budget_requests=3"])
     model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(cfg.model))
     per_req = config_hydra.pages_per_request(32, 64, 16)
     assert per_req == math.ceil((32 + 64 - 1) / 16) == 6
@@ -228,7 +228,7 @@ def test_client_loop_on_a_tiny_engine():
 
 def test_warmup_covers_every_page_table_width_the_outputs_reach():
     """Requests of 4 + 20 tokens in pages of 4 grow from 2 to 6 pages while they decode, so their decode steps use
-    page tables 4 and then 6 wide (``workers.width_bucket``); the warm-up's runs generate the workload's whole
+    page tables 4 and then 6 wide (``shapes.width_bucket``); the warm-up's runs generate the workload's whole
     output, so a run of the workload afterwards compiles nothing (3-token warm-up runs stopped at width 4)."""
     cfg = _compose("config", TINY + ["+model.overrides.num_hidden_layers=1", "workload.concurrency=2",
                                      "cache.num_pages=32", "cache.page_size=4", "workload.prompt.dist=fixed",
@@ -332,7 +332,7 @@ def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
     for job, kv, tput in (("0", "bf16", 100.0), ("1", "fp8", 150.0), ("10", "fp8", 90.0)):
         d = tmp_path / job
         (d / ".hydra").mkdir(parents=True)
-        (d / ".hydra" / "overrides.yaml").write_text(f"- quant.kv={kv}\n- model=tiny_mla\n")
+        (d / ".hydra" / "overrides.yaml").write_text(f"- quant.kv_dtype={kv}\n- model=tiny_mla\n")
         agg = {kv.upper(): {"8": {"steady_tok_per_s": {"median": tput}, "peak_concurrency": {"median": 8.0}}}}
         rp.write_json(d / "results.json", {"experiment": "kv_dtype", "summary": {"aggregate": agg}})
     (tmp_path / "2").mkdir()  # a failed job without results is skipped
@@ -340,7 +340,7 @@ def test_multirun_summary_collects_every_job_without_ratios(tmp_path):
     assert data["jobs"] == ["0", "1", "10"] and [r["steady_tok_per_s"] for r in data["rows"]] == [100.0, 150.0, 90.0]
     md = multirun.summary_markdown(data)
     assert "Overrides common to every job: `model=tiny_mla`" in md and "take no ratios" in md
-    assert "| 1 | quant.kv=fp8 | FP8 | 8 | 150 | 8.00 |" in md and "end-to-end" not in md
+    assert "| 1 | quant.kv_dtype=fp8 | FP8 | 8 | 150 | 8.00 |" in md and "end-to-end" not in md
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     multirun.MultirunSummary().on_multirun_end(cfg)
     assert (tmp_path / "README.md").read_text() == md and (tmp_path / "summary.json").exists()

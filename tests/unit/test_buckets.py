@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phaseserve.engine.workers import bucket, chunk_bucket, prefill_shapes
+from phaseserve.engine.shapes import bucket, chunk_bucket, prefill_shapes
 
 
 def test_chunk_bucket_pads_little_and_compiles_four_lengths_per_octave():

@@ -326,4 +326,4 @@ def test_strict_and_non_strict(base, tmp_path):
         warnings.simplefilter("error")  # a clean checkpoint warns about nothing
         ps.load_checkpoint(base[0], strict=False)
     with pytest.raises(QuantizedCheckpointError, match="phaseserve.load_checkpoint"):
-        plain_loader.load_checkpoint(d)  # the plain reading machinery refuses, naming the loader to use
+        plain_loader.read_checkpoint(d)  # the plain reading machinery refuses, naming the loader to use

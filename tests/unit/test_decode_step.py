@@ -19,7 +19,7 @@ from phaseserve.cache.attend import PagedAttend, rows_view
 from phaseserve.cache.integrity import IntegrityTracker
 from phaseserve.cache.paged import as_stored, as_values, init_pool
 from phaseserve.config import ModelConfig
-from phaseserve.engine.decode import DecodeBatch, decode_step
+from phaseserve.engine.decode_step import DecodeBatch, decode_step
 from phaseserve.engine.sampling import _draw, sample
 from phaseserve.model import moe as M
 from phaseserve.model.params import init_params
@@ -245,7 +245,7 @@ def test_sampling_greedy_skips_the_draw_and_mixed_rows_match():
 def test_width_bucket_covers_the_pages_and_wastes_at_most_a_third():
     """The decode page-table width: at least the live pages, less than a third of what attention reads is padding
     above the floor of 4 (a power of two: up to a half), monotone, and few distinct widths (each one is a compile)."""
-    from phaseserve.engine.workers import bucket, width_bucket
+    from phaseserve.engine.shapes import bucket, width_bucket
 
     widths = [width_bucket(n) for n in range(1, 1025)]
     assert all(w >= n for n, w in enumerate(widths, 1)) and widths == sorted(widths)

@@ -5,13 +5,13 @@ The serving library is ``phaseserve`` and ``pallas_kernels`` (the kernels); the 
 evaluation, training, corpus, published figures, reports, fault injection, kernel tools) sits above it and is
 imported by ``experiments/``:
 
-    config -> qarrays (quantized arrays, the matmul dispatch) -> model -> quant / cache -> engine -> serving
-    / server (HTTP)  [library]  ->  lab  ->  experiments
+    config -> qarrays (quantized arrays, the matmul dispatch) -> model -> quant / cache -> engine -> distributed
+    (Ray, KV transfer) / server (HTTP)  [library]  ->  lab  ->  experiments
 
 - the library imports nothing from the lab;
 - no import cycles between the library's modules (module by module, function-local imports included), nor
   between ``phaseserve``'s units (a subpackage, a top-level module, or the package root);
-- ``phaseserve.model`` imports none of engine, serving, server, quant, cache (it multiplies through
+- ``phaseserve.model`` imports none of engine, distributed, server, quant, cache (it multiplies through
   ``phaseserve.qarrays`` only);
 - the engine imports no Hydra / OmegaConf (the Hydra translation is ``phaseserve.config_hydra``);
 - nothing in the library below the HTTP server imports it;
@@ -185,7 +185,7 @@ def test_no_cycles_between_units():
 
 def test_model_imports_only_the_quantized_array_leaf():
     bad = offending(_under("phaseserve.model"), _under(*(f"phaseserve.{u}" for u in (
-        "engine", "serving", "server", "quant", "cache", "config_hydra"))))
+        "engine", "distributed", "server", "quant", "cache", "config_hydra"))))
     assert not bad, "the model imports upward:\n" + "\n".join(bad)
 
 
@@ -214,11 +214,11 @@ def test_the_checks_see_imports_inside_functions():
     """The graph reader finds function-local and relative imports, skips ``if TYPE_CHECKING:`` bodies, and the
     checkers report a lab import and a cycle fed to them (the tests above would be blind otherwise)."""
     src = ("import numpy\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lab import figures\n"
-           "else:\n    import json\n\ndef f():\n    from ..cache import paged\n    from . import decode\n"
+           "else:\n    import json\n\ndef f():\n    from ..cache import paged\n    from . import decode_step\n"
            "    import hydra.core\n    if True:\n        from lab.bench import measure\n")
     found = imports_in(src, "phaseserve.engine")
     assert found == [("numpy", 1), ("typing", 2), ("json", 6), ("phaseserve.cache.paged", 9),
-                     ("phaseserve.engine.decode", 10), ("hydra.core", 11), ("lab.bench.measure", 13)]
+                     ("phaseserve.engine.decode_step", 10), ("hydra.core", 11), ("lab.bench.measure", 13)]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
 

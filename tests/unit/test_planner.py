@@ -154,18 +154,18 @@ def test_int4_decode_faster_than_fp8():
     kimi = {w: planner.deployment("kimi-k2.6", weights=w) for w in ("fp8", "int4", "all-fp8", "all-int4")}
     # same layout except the routed experts: INT4 experts read fewer bytes, so the c=1 roofline is faster
     experts_int4 = planner.deployment("kimi-k2.6", weights="glm-fp8,routed_experts=int4:g32:bf16")
-    assert experts_int4.decode(1, CTX)["tok_s"] > kimi["fp8"].decode(1, CTX)["tok_s"] * 1.1
-    assert kimi["all-int4"].decode(1, CTX)["tok_s"] > 1.5 * kimi["all-fp8"].decode(1, CTX)["tok_s"]
+    assert experts_int4.decode_time(1, CTX)["tok_s"] > kimi["fp8"].decode_time(1, CTX)["tok_s"] * 1.1
+    assert kimi["all-int4"].decode_time(1, CTX)["tok_s"] > 1.5 * kimi["all-fp8"].decode_time(1, CTX)["tok_s"]
     # published layouts (INT4 experts + BF16 rest vs all-FP8): INT4 wins once the batch touches many experts
     for model in ("kimi-k2.6", "glm-5"):
         fp8, int4 = (planner.deployment(model, weights=w) for w in ("fp8", "int4"))
         for c in (8, 32, 128):
-            assert int4.decode(c, CTX)["tok_s"] > 1.1 * fp8.decode(c, CTX)["tok_s"], (model, c)
+            assert int4.decode_time(c, CTX)["tok_s"] > 1.1 * fp8.decode_time(c, CTX)["tok_s"], (model, c)
 
 
 def test_glm5_int4_with_bf16_attention_reads_more_at_concurrency_1():
     """A finding, not a wish: GLM-5's BF16 attention (13.8B params) outweighs the INT4 expert saving at c=1."""
-    fp8, int4 = (planner.deployment("glm-5", weights=w).decode(1, CTX) for w in ("fp8", "int4"))
+    fp8, int4 = (planner.deployment("glm-5", weights=w).decode_time(1, CTX) for w in ("fp8", "int4"))
     assert int4["weight_gib_read_per_device"] > fp8["weight_gib_read_per_device"]
     assert int4["tok_s"] < fp8["tok_s"]
 
@@ -188,12 +188,12 @@ def test_decode_expert_reads_saturate_with_batch():
 
 def test_fp8_prefill_faster_than_int4_and_int4_runs_at_bf16_rate():
     for model in ("kimi-k2.6", "glm-5"):
-        fp8, int4, bf16 = (planner.deployment(model, weights=w).prefill(8192)["prompt_tok_s"]
+        fp8, int4, bf16 = (planner.deployment(model, weights=w).prefill_time(8192)["prompt_tok_s"]
                            for w in ("fp8", "int4", "bf16"))
         assert fp8 > 1.3 * int4
         assert math.isclose(int4, bf16, rel_tol=1e-9)  # INT4 is dequantized to BF16 before the matmul
     # on a TPU without FP8 matrix units FP8 gains nothing over BF16
-    v5p = [planner.deployment("moonlight-16b-a3b", "tpu-v5p", 4, w, "bf16").prefill(4096)["prompt_tok_s"]
+    v5p = [planner.deployment("moonlight-16b-a3b", "tpu-v5p", 4, w, "bf16").prefill_time(4096)["prompt_tok_s"]
            for w in ("fp8", "bf16")]
     assert math.isclose(v5p[0], v5p[1], rel_tol=1e-9)
 
@@ -243,7 +243,7 @@ def test_typed_errors():
     with pytest.raises(planner.PlannerError, match="admission rule"):
         d.admitted(100, 10, "greedy")
     with pytest.raises(planner.PlannerError):
-        d.decode(0, 100)
+        d.decode_time(0, 100)
     assert issubclass(planner.PlannerError, ConfigError)
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from phaseserve.cache.allocator import PageAllocator, PageTables
-from phaseserve.engine.request import Request, RequestOutput
-from phaseserve.engine.scheduler import Scheduler, Sequence, page_hashes
+from phaseserve.engine.request import Request, RequestOutput, Sequence
+from phaseserve.engine.scheduler import Scheduler, page_hashes
 
 
 def make(num_pages=17, page_size=4, max_batch=8, policy="reserve", prefix=True, prefill_pages=None):

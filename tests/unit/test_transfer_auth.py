@@ -10,14 +10,14 @@ import pickle
 import pytest
 
 from phaseserve.config import ConfigError
-from phaseserve.serving.protocol import (
+from phaseserve.distributed.protocol import (
     SECRET_ENV,
     ForgedDescriptorError,
     StaleDescriptorError,
     TransferDescriptor,
     deployment_secret,
 )
-from phaseserve.serving.transfer import DescriptorAuth
+from phaseserve.distributed.transfer import DescriptorAuth
 
 SECRET = "a-deployment-secret-of-some-length"
 NOW = 1_800_000_000.0

@@ -26,10 +26,11 @@ from phaseserve.engine.request import (
     Request,
     RequestError,
     RequestOutput,
+    Sequence,
     open_request,
     validate,
 )
-from phaseserve.engine.scheduler import Scheduler, Sequence
+from phaseserve.engine.scheduler import Scheduler
 
 
 def examples(ci: int) -> int:
@@ -180,7 +181,7 @@ def test_request_errors_cross_process_boundaries_with_their_class():
     import pickle
 
     from phaseserve.cache.integrity import KVIntegrityError
-    from phaseserve.serving.protocol import PeerDeadError, StaleDescriptorError, TransferError
+    from phaseserve.distributed.protocol import PeerDeadError, StaleDescriptorError, TransferError
 
     for err in (InvalidParameterError("x"), InvalidTokenError("y"), PromptTooLongError("z"), TransferError("w"),
                 PeerDeadError("p"), StaleDescriptorError("s", "stale_tag"), KVIntegrityError("r", "d", "nonfinite")):

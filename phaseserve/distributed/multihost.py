@@ -1,6 +1,6 @@
 """Meshes that span processes or hosts: ``jax.distributed`` bring-up and a self-check.
 
-Prefill and decode each run as their own JAX program (the servers in this package); *within* a phase, a mesh can
+Prefill and decode each run as their own JAX program (the phase actors of this package); *within* a phase, a mesh can
 span several hosts through JAX's multi-controller runtime: every host runs the same server program, calls
 :func:`initialize` with the same coordinator address, and ``jax.devices()`` then lists every host's devices, so
 ``sharding.make_mesh`` builds one mesh over all of them (each process feeds only its local shards).

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from phaseserve.cache.paged import PagePool, gather_layer, quantize_kv, write_layer
+from phaseserve.cache.paged import PagePool, gather_layer, write_layer
 from phaseserve.config import ModelConfig
 from phaseserve.engine.sampling import sample, token_logprobs
 from phaseserve.model.params import Params
@@ -88,11 +88,3 @@ def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBat
         scored = batch.want_prompt[:, None] & batch.valid
         prompt = token_logprobs(lambda: logits_from_hidden(params, cfg, x), batch.targets, scored, top)
     return first, pool.replace(layers=tuple(ctx.layers)), gen, prompt
-
-
-
-def quantize_layer_kv(kv: Any, kv_dtype, compute_dtype) -> list[tuple[jax.Array, jax.Array | None]]:
-    """One layer's KV (as the model returns it), rounded to ``compute_dtype`` -> [(values, scale | None)] in
-    ``kv_dtype`` (per-token scales for FP8)."""
-    parts = list(kv) if isinstance(kv, tuple) else [kv]
-    return [quantize_kv(x.astype(compute_dtype), kv_dtype) for x in parts]

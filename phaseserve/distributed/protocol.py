@@ -20,11 +20,11 @@ from phaseserve.config import ConfigError
 
 
 # ---- typed errors ---------------------------------------------------------------------------------------
-class ServingError(RuntimeError):
+class DistributedError(RuntimeError):
     """Base class of errors that end one request because of the multi-process machinery (not its input)."""
 
 
-class StaleDescriptorError(ServingError):
+class StaleDescriptorError(DistributedError):
     """The prefill side refused a transfer descriptor: unknown/consumed uuid, wrong tags, replay, wrong server."""
 
     def __init__(self, message: str, kind: str = "stale"):
@@ -38,7 +38,7 @@ class StaleDescriptorError(ServingError):
 class ForgedDescriptorError(StaleDescriptorError):
     """A transfer descriptor the control plane did not sign, or signed with another deployment's secret, or altered
     after signing, or past its signed expiry (``kind``: "forged" | "expired"); refused before any pull is armed or
-    issued (:class:`~phaseserve.serving.transfer.DescriptorAuth`)."""
+    issued (:class:`~phaseserve.distributed.transfer.DescriptorAuth`)."""
 
     def __init__(self, message: str, kind: str = "forged"):
         super().__init__(message, kind)
@@ -47,15 +47,15 @@ class ForgedDescriptorError(StaleDescriptorError):
         return (ForgedDescriptorError, (str(self), self.kind))
 
 
-class TransferTimeoutError(ServingError):
+class TransferTimeoutError(DistributedError):
     """A KV transfer (or the grant for it) did not complete before its deadline."""
 
 
-class PeerDeadError(ServingError):
+class PeerDeadError(DistributedError):
     """The process that held the request (or its KV) died."""
 
 
-class TransferError(ServingError):
+class TransferError(DistributedError):
     """A KV transfer failed: the pulled buffers carry an error (e.g. the prefill peer died mid-pull), or landing
     them in the request's pages raised."""
 
@@ -92,7 +92,7 @@ class TransferDescriptor:
     by its successor even if the uuid counter repeats.
 
     ``expires`` (Unix time) and ``mac`` are set by the control plane when it signs the descriptor
-    (:class:`~phaseserve.serving.transfer.DescriptorAuth`): an HMAC-SHA256 over :meth:`canonical_bytes` (every
+    (:class:`~phaseserve.distributed.transfer.DescriptorAuth`): an HMAC-SHA256 over :meth:`canonical_bytes` (every
     field but ``mac``) with the deployment's secret. Only a descriptor whose MAC verifies and whose expiry has not
     passed is armed or pulled.
     """
@@ -128,7 +128,7 @@ class TransferDescriptor:
 
 
 @dataclass
-class ModelSpec:
+class ModelSource:
     """How a server process gets its weights: an HF checkpoint directory, or an HF config dict + seed (random)."""
 
     checkpoint: str | None = None
@@ -137,7 +137,7 @@ class ModelSpec:
     dtype: str = "float32"
 
     @classmethod
-    def from_hydra(cls, cfg: Any) -> ModelSpec:
+    def from_hydra(cls, cfg: Any) -> ModelSource:
         """The spec of a composed Hydra tree's ``model`` group (checkpoint, or an HF config + seed)."""
         from phaseserve.config_hydra import hf_dict, repo_path
 

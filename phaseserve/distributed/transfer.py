@@ -22,12 +22,12 @@ enforces its own deadline by polling the pulled arrays' ``is_ready()`` (never to
 Authentication, :class:`DescriptorAuth`. The transfer ports themselves have no authentication (anyone who can
 reach one can ask it for bytes, or send it garbage), so a descriptor is honoured only if the control plane signed
 it: :meth:`StagingArea.stage` signs each descriptor it issues (HMAC-SHA256 over
-:meth:`~phaseserve.serving.protocol.TransferDescriptor.canonical_bytes` with the deployment's secret, and a signed
+:meth:`~phaseserve.distributed.protocol.TransferDescriptor.canonical_bytes` with the deployment's secret, and a signed
 expiry), :meth:`StagingArea.verify` checks the MAC and the expiry before anything else, and :meth:`Puller.pull`
 checks them again before it connects to the address the descriptor names. A forged, altered, foreign (another
 deployment's secret) or expired descriptor is refused with a typed
-:class:`~phaseserve.serving.protocol.ForgedDescriptorError` and changes nothing: no entry is marked served, no
-page is freed. The secret (:func:`~phaseserve.serving.protocol.deployment_secret`): ``PHASESERVE_TRANSFER_SECRET``
+:class:`~phaseserve.distributed.protocol.ForgedDescriptorError` and changes nothing: no entry is marked served, no
+page is freed. The secret (:func:`~phaseserve.distributed.protocol.deployment_secret`): ``PHASESERVE_TRANSFER_SECRET``
 when set (every host of a deployment sets the same value), else one generated per run and exported to the
 environment, so the server processes this process spawns inherit it.
 
@@ -53,7 +53,7 @@ import numpy as np
 from jax.experimental import transfer
 
 from phaseserve.cache.allocator import PageAllocator
-from phaseserve.serving.protocol import (
+from phaseserve.distributed.protocol import (
     ForgedDescriptorError,
     StaleDescriptorError,
     TransferDescriptor,
@@ -66,7 +66,7 @@ class DescriptorAuth:
 
     ``sign(desc)`` returns a copy with ``expires`` (now + ``ttl_s``, Unix time) and ``mac`` set; ``verify(desc)``
     returns ``desc`` if its MAC is this secret's over its canonical bytes and it has not expired, else raises
-    :class:`~phaseserve.serving.protocol.ForgedDescriptorError` (``kind`` "forged" or "expired"). Hosts of one
+    :class:`~phaseserve.distributed.protocol.ForgedDescriptorError` (``kind`` "forged" or "expired"). Hosts of one
     deployment need clocks in sync to well within ``ttl_s`` (NTP)."""
 
     def __init__(self, secret: bytes | str | None = None, ttl_s: float = 120.0):
@@ -260,7 +260,7 @@ class PendingPull:
 
 class Puller:
     """Connections to prefill servers (one per address, reused) and the pull call; a descriptor whose MAC or expiry
-    does not verify is refused (:class:`~phaseserve.serving.protocol.ForgedDescriptorError`) before connecting."""
+    does not verify is refused (:class:`~phaseserve.distributed.protocol.ForgedDescriptorError`) before connecting."""
 
     def __init__(self, server: Any, device: jax.Device, auth: DescriptorAuth | None = None):
         self.auth = auth or DescriptorAuth()

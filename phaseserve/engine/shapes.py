@@ -1,0 +1,108 @@
+"""The sizes the workers allocate and compile for: page pools and padded step shapes (host code, no jax arrays).
+
+- Pool sizes: :func:`cache_pages` sizes the decode pool from ``CacheConfig`` (pages, a byte budget, or the documented
+  default); :func:`prefill_pages` the prefill pool.
+- Bucketing: every step input is padded to one of a handful of shapes, so the jitted steps compile a handful of
+  times, not once per size: rows to powers of two (:func:`bucket`), prompt chunks to :func:`chunk_bucket` lengths,
+  page-table widths to :func:`width_bucket`; :func:`chunk_groups` splits a step's prompt chunks into batches within
+  the token budget.
+- Warm-up: :func:`prefill_shapes` and :func:`decode_shapes` list every padded shape a deployment can use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from phaseserve.cache.allocator import PageTables
+from phaseserve.cache.paged import pages_for_budget
+from phaseserve.config import DEFAULT_CPU_KV_BYTES, CacheConfig, ModelConfig
+from phaseserve.engine.scheduler import Chunk
+
+
+def cache_pages(cfg: ModelConfig, cache: CacheConfig, kv_dtype: str, device: jax.Device) -> int:
+    """Pages of the decode pool (the null page included): ``cache.num_pages``; else the pages of
+    ``cache.kv_budget_bytes``; else ``cache.memory_fraction`` of ``device``'s free memory (call it after the weights
+    are placed), or :data:`~phaseserve.config.DEFAULT_CPU_KV_BYTES` where the device reports no memory limit (CPU)."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    budget = cache.kv_budget_bytes
+    if budget is None:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            budget = int(cache.memory_fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    return pages_for_budget(cfg, kv_dtype, cache.page_size, budget)
+
+
+def prefill_pages(limits: Any, max_prefill_tokens: int) -> int:
+    """Pages of the prefill pool (the null page included): two of the longest prompts a request may bring (so one
+    long prompt in progress never blocks the next from starting) plus one step's token budget of short prompts."""
+    return 2 * limits.max_pages + -(-max_prefill_tokens // limits.page_size) + 1
+
+
+def bucket(n: int, lo: int = 1) -> int:
+    """Next power of two >= max(n, lo): padded shapes compile a handful of times, not once per size."""
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+def width_bucket(n: int, lo: int = 4) -> int:
+    """Page-table width for ``n`` live pages: the next of ``lo`` and 2^k, 3 * 2^(k-1) (4, 6, 8, 12, 16, 24, ...) at
+    or above ``n``. Attention reads every listed page, so the table wastes at most a third of what it reads (a
+    power of two wastes up to a half) at twice the compiled widths of :func:`bucket`."""
+    w = bucket(n, lo)
+    return max(lo, w * 3 // 4) if w * 3 // 4 >= n else w
+
+
+def chunk_bucket(n: int) -> int:
+    """Padded length of a prefill chunk of ``n`` tokens: a multiple of 16 up to 128, then a quarter-octave step
+    (160, 192, 224, 256, 320, ...): the next multiple of ``max(16, bucket(n) / 8)``. A power of two pads a prompt of
+    2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most a quarter of the
+    chunk (a fifth above 128 tokens), at four compiled lengths per octave."""
+    g = max(16, bucket(n) // 8)
+    return max(16, -(-n // g) * g)
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """The padded batch sizes of up to ``max_rows`` rows: 1, 2, 4, .. bucket(max_rows)."""
+    return [1 << i for i in range(bucket(max_rows).bit_length())]
+
+
+def chunk_groups(chunks: list[Chunk], max_prefill_tokens: int) -> list[list[Chunk]]:
+    """Batches of similar chunk lengths whose padded size stays within ``max_prefill_tokens``."""
+    groups, cur = [], []
+    for ch in sorted(chunks, key=lambda c: c.n):
+        t = chunk_bucket(ch.n)
+        if cur and bucket(len(cur) + 1) * t > max(max_prefill_tokens, t):
+            groups.append(cur)
+            cur = []
+        cur.append(ch)
+    return groups + ([cur] if cur else [])
+
+
+def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, max_rows: int, max_chunk: int,
+                   max_pages: int) -> list[tuple[int, int, int]]:
+    """Every ``(rows, chunk, page-table width)`` a prefill group can be padded to, for groups of up to ``max_rows``
+    chunks of up to ``max_chunk`` tokens of requests holding up to ``max_pages`` pages (:func:`chunk_groups` keeps
+    rows x chunk within ``max_prefill_tokens``; a chunk of ``c`` tokens past a prefix or an earlier chunk may need
+    any wider table)."""
+    cap, out, shortest = min(tables.page_table.shape[1], max_pages), [], {}
+    for n in range(max(max_chunk, 1), 0, -1):  # each padded length's shortest chunk
+        shortest[chunk_bucket(n)] = n
+    for c in sorted(shortest):
+        least = -(-shortest[c] // page_size)  # pages of the shortest chunk padded to c
+        widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
+        for b in batch_buckets(max_rows):
+            if b * c <= max(max_prefill_tokens, c):
+                out += [(b, c, w) for w in widths]
+    return out
+
+
+def decode_shapes(tables: PageTables, max_rows: int, max_pages: int) -> list[tuple[int, int]]:
+    """Every ``(rows, page-table width)`` a decode batch of up to ``max_rows`` rows of requests holding up to
+    ``max_pages`` pages can be padded to."""
+    cap = min(tables.page_table.shape[1], max_pages)
+    widths = sorted({min(width_bucket(n), cap) for n in range(1, cap + 1)})
+    return [(b, w) for b in batch_buckets(max_rows) for w in widths]
