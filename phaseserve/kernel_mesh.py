@@ -1,4 +1,5 @@
-"""Pallas kernel calls under a phase's mesh: each one a ``jax.shard_map`` with explicit partition specs.
+"""Kernel dispatch: every Pallas kernel call of the model, with its implementation, its provenance, and under a
+phase's mesh a ``jax.shard_map`` with explicit partition specs.
 
 XLA cannot partition a Pallas (Triton / Mosaic) custom call: left to GSPMD, a kernel on sharded weights or a
 sharded page pool gets its operands all-gathered onto every device. Inside the engine's jitted steps every kernel
