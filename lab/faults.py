@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from phaseserve.cache.allocator import PageTables
 from phaseserve.cache.attend import PagedAttend
 from phaseserve.cache.paged import MLAPages, PagePool, as_stored
+from phaseserve.kernel_mesh import KernelDispatch
 
 
 class FaultInjector:
@@ -147,7 +148,8 @@ def toy_decode_step(pool: PagePool, q: list[Any], new_kv: list[Any], page_table:
     Returns (pool, out [B, L, H, hd or r], finite bool[B] | None).
     """
     d = (q[0][0] if isinstance(q[0], tuple) else q[0]).shape[-1]
-    attend = PagedAttend(page_table, lengths, row_mask, ok, tracker=tracker, sm_scale=d**-0.5, impl="reference")
+    attend = PagedAttend(page_table, lengths, row_mask, ok, tracker=tracker, sm_scale=d**-0.5,
+                         kd=KernelDispatch(attn_impl="reference"))
     layers, outs = zip(*(attend(layer, ql, kvl) for layer, ql, kvl in zip(pool.layers, q, new_kv, strict=True)),
                        strict=True)
     return pool.replace(layers=tuple(layers)), jnp.stack(outs, axis=1), attend.finite

@@ -10,9 +10,11 @@ follows the default backend, and on the CPU (interpret mode) it is ``"gpu"``. Th
 builds the body per *lowering* platform with ``jax.lax.platform_dependent`` (``cuda``/``rocm`` -> Triton,
 ``tpu`` -> Mosaic, anything else -> interpret mode), so ``jax.export`` for any platform gets the right body.
 
-Provenance: every kernel call records, at trace time, which implementation it built (``pallas``,
-``reference``, or ``fallback`` with the reason the Pallas path refused the shape) in :data:`PROVENANCE`
-(:func:`provenance` returns the counts; the engine can show them). Fallbacks are also logged as warnings.
+Provenance: every kernel takes ``provenance=``, a ``collections.Counter`` owned by the caller (None: not recorded),
+and records into it, at trace time, which implementation it built (``pallas``, ``reference``, or ``fallback`` with
+the reason the Pallas path refused the shape), keyed ``(op, platform, impl, reason)``; :func:`provenance_rows` lists
+one. There is no process-wide table: the engine's workers pass their own (``phaseserve.kernel_mesh``). Fallbacks are
+also logged as warnings.
 
 Dots: float32 operands use ``precision=HIGHEST`` (IEEE f32 on GPUs instead of TF32; full-precision passes on
 TPU), so the float32 exact-parity mode stays exact on accelerators.
@@ -34,9 +36,9 @@ NEG_INF = float("-inf")
 TARGETS = ("gpu", "tpu")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
 LOG = logging.getLogger("pallas_kernels")
-# (op, platform, impl, reason) -> number of traces that built it; platform is "cuda"/"tpu"/"default" under
-# platform-dependent dispatch, else the explicit target or "any"; reason is "" except for fallbacks
-PROVENANCE: collections.Counter = collections.Counter()
+# A provenance sink: (op, platform, impl, reason) -> number of traces that built it; platform is "cuda"/"tpu"/"default"
+# under platform-dependent dispatch, else the explicit target or "any"; reason is "" except for fallbacks
+Provenance = collections.Counter
 
 
 class UnsupportedShapeError(ValueError):
@@ -71,43 +73,48 @@ def resolve_target(target: str | None) -> str:
     return target
 
 
-def record(op: str, platform: str, impl: str, reason: str = "") -> None:
-    """Count one trace of ``op`` built as ``impl`` ("pallas" | "reference" | "fallback") for ``platform``."""
-    PROVENANCE[(op, platform, impl, reason)] += 1
+def record(sink: Provenance | None, op: str, platform: str, impl: str, reason: str = "") -> None:
+    """Count one trace of ``op`` built as ``impl`` ("pallas" | "reference" | "fallback") for ``platform`` in
+    ``sink`` (None: not counted); a fallback is logged either way."""
+    if sink is not None:
+        sink[(op, platform, impl, reason)] += 1
     if impl == "fallback":
         LOG.warning("%s (%s): Pallas path refused, using the reference: %s", op, platform, reason)
 
 
-def provenance() -> list[dict]:
-    """The recorded builds as rows {op, platform, impl, reason, count} (sorted), for summaries and JSON."""
-    return [dict(op=o, platform=p, impl=i, reason=r, count=n) for (o, p, i, r), n in sorted(PROVENANCE.items())]
+def provenance_rows(sink: Provenance) -> list[dict]:
+    """The builds recorded in ``sink`` as rows {op, platform, impl, reason, count} (sorted), for summaries and JSON."""
+    return [dict(op=o, platform=p, impl=i, reason=r, count=n) for (o, p, i, r), n in sorted(sink.items())]
 
 
-def dispatch(impl: str, run_pallas, run_reference, *, op: str = "kernel", platform: str = "any"):
+def dispatch(impl: str, run_pallas, run_reference, *, op: str = "kernel", platform: str = "any",
+             provenance: Provenance | None = None):
     """Run ``run_pallas()`` or ``run_reference()`` per ``impl``; ``"auto"`` falls back on a refused shape
-    (recorded in :data:`PROVENANCE` and logged)."""
+    (recorded in ``provenance`` and logged)."""
     if resolve_impl(impl) == "reference":
-        record(op, platform, "reference")
+        record(provenance, op, platform, "reference")
         return run_reference()
-    return _pallas_or_fallback(op, platform, impl == "pallas", run_pallas, run_reference)
+    return _pallas_or_fallback(provenance, op, platform, impl == "pallas", run_pallas, run_reference)
 
 
-def _pallas_or_fallback(op: str, platform: str, strict: bool, run_pallas, run_reference):
+def _pallas_or_fallback(sink: Provenance | None, op: str, platform: str, strict: bool, run_pallas, run_reference):
     """The kernel; on a refused shape, raise (strict) or use the reference, recorded as a fallback."""
     try:
         out = run_pallas()
     except UnsupportedShapeError as e:
         if strict:
             raise
-        record(op, platform, "fallback", str(e))
+        record(sink, op, platform, "fallback", str(e))
         return run_reference()
-    record(op, platform, "pallas")
+    record(sink, op, platform, "pallas")
     return out
 
 
 def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | None,
-                    build: Callable[[str, bool], jax.Array], run_reference: Callable[[], jax.Array]):
-    """Build ``op`` per implementation and platform; ``build(target, interpret)`` runs the kernel.
+                    build: Callable[[str, bool], jax.Array], run_reference: Callable[[], jax.Array],
+                    provenance: Provenance | None = None):
+    """Build ``op`` per implementation and platform; ``build(target, interpret)`` runs the kernel; what was built
+    is counted in ``provenance`` (the caller's sink; None: not counted).
 
     * ``target`` given, or ``interpret=True``: that one body (as :func:`dispatch`).
     * default backend GPU or TPU: that backend's body (``"auto"`` falls back to the reference on a refused shape).
@@ -121,20 +128,20 @@ def dispatch_kernel(op: str, impl: str, target: str | None, interpret: bool | No
     if impl not in ("auto", "pallas", "reference"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'reference', got {impl!r}")
     if impl == "reference" or (impl == "auto" and backend() == "cpu" and target is None and interpret is None):
-        record(op, "any", "reference")
+        record(provenance, op, "any", "reference")
         return run_reference()
     if target is not None or interpret is True or backend() != "cpu":
         tgt = resolve_target(target)
         return dispatch(impl, lambda: build(tgt, resolve_interpret(interpret)), run_reference, op=op,
-                        platform=tgt)
+                        platform=tgt, provenance=provenance)
 
     def branch(platform, tgt):
-        return lambda: _pallas_or_fallback(op, platform, False, lambda: build(tgt, False), run_reference)
+        return lambda: _pallas_or_fallback(provenance, op, platform, False, lambda: build(tgt, False), run_reference)
 
     def default():
         if interpret is None:
-            return _pallas_or_fallback(op, "default", True, lambda: build("gpu", True), run_reference)
-        record(op, "default", "reference")
+            return _pallas_or_fallback(provenance, op, "default", True, lambda: build("gpu", True), run_reference)
+        record(provenance, op, "default", "reference")
         return run_reference()
 
     gpu = branch("cuda", "gpu")

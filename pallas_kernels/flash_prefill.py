@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels import tuning
 from pallas_kernels.common import (
     NEG_INF,
+    Provenance,
     cdiv,
     compute_dtype,
     dispatch_kernel,
@@ -268,6 +269,7 @@ def flash_prefill(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [B, T, H, dv]
     """Causal prefill attention (see the module docstring); ``impl`` / ``interpret`` / ``target`` as in common."""
     b, t, h, dk = q.shape
@@ -287,7 +289,8 @@ def flash_prefill(
         return _kernel_with_reference_grad(kernel, reference, q, k, v, pos, _lengths(lengths, b, k.shape[1]))
 
     return dispatch_kernel("flash_prefill", impl, target, interpret, build,
-                           lambda: reference(q, k, v, q_positions, lengths))
+                           lambda: reference(q, k, v, q_positions, lengths),
+                           provenance=provenance)
 
 
 def _kernel_with_reference_grad(kernel, reference, q, k, v, pos, lens):

@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import moe_tiles, tuning
 from pallas_kernels.common import (
+    Provenance,
     UnsupportedShapeError,
     cdiv,
     check_gpu_fp8,
@@ -328,6 +329,7 @@ def fp8_matmul(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [..., N] in x's dtype
     """FP8-weight matmul (W8A16, or W8A8 with dynamic activation scales); see the module docstring."""
     if w.q.ndim != 2 or x.shape[-1] != w.shape[0]:
@@ -339,7 +341,8 @@ def fp8_matmul(
         return out.reshape(*x.shape[:-1], w.shape[-1])
 
     return dispatch_kernel("fp8_matmul", impl, target, interpret, build,
-                           lambda: fp8_matmul_reference(x, w, act_quant=bool(act_quant)))
+                           lambda: fp8_matmul_reference(x, w, act_quant=bool(act_quant)),
+                           provenance=provenance)
 
 
 def fp8_grouped_matmul_reference(x: jax.Array, w: Fp8Weight, group_sizes: jax.Array, *,
@@ -362,6 +365,7 @@ def fp8_grouped_matmul(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [M, N] in x's dtype; rows past sum(group_sizes) are zero (as lax.ragged_dot)
     """Grouped (MoE) FP8 matmul: rows ``[start_e, end_e)`` use expert ``e``; each tile dequantizes its own
     expert's weight tile in registers/VMEM (never the expert stack). See the module docstring."""
@@ -373,4 +377,5 @@ def fp8_grouped_matmul(
         return _grouped_forward(x, w, group_sizes, _default_act_quant(act_quant, x, tgt, interp), tgt, interp)
 
     return dispatch_kernel("fp8_grouped_matmul", impl, target, interpret, build,
-                           lambda: fp8_grouped_matmul_reference(x, w, group_sizes, act_quant=bool(act_quant)))
+                           lambda: fp8_grouped_matmul_reference(x, w, group_sizes, act_quant=bool(act_quant)),
+                           provenance=provenance)

@@ -47,7 +47,15 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels import moe_tiles, tuning
-from pallas_kernels.common import UnsupportedShapeError, cdiv, compute_dtype, dispatch_kernel, dot_nn, dot_precision
+from pallas_kernels.common import (
+    Provenance,
+    UnsupportedShapeError,
+    cdiv,
+    compute_dtype,
+    dispatch_kernel,
+    dot_nn,
+    dot_precision,
+)
 
 
 @struct.dataclass
@@ -296,6 +304,7 @@ def int4_matmul(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [..., N] in x's dtype
     """Dense W4A16 matmul ``x @ dequant(w)`` with f32 accumulation."""
     if w.packed.ndim != 2 or x.shape[-1] != w.shape[0]:
@@ -305,7 +314,8 @@ def int4_matmul(
         out = _dense_forward(x.reshape(-1, x.shape[-1]), w, tgt, interp)
         return out.reshape(*x.shape[:-1], w.shape[-1])
 
-    return dispatch_kernel("int4_matmul", impl, target, interpret, build, lambda: int4_matmul_reference(x, w))
+    return dispatch_kernel("int4_matmul", impl, target, interpret, build, lambda: int4_matmul_reference(x, w),
+                           provenance=provenance)
 
 
 def int4_grouped_matmul(
@@ -316,6 +326,7 @@ def int4_grouped_matmul(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [M, N] in x's dtype; rows past sum(group_sizes) are zero (as lax.ragged_dot)
     """Grouped (MoE) W4A16 matmul: rows ``[start_e, end_e)`` of x use expert ``e``'s weight."""
     if x.ndim != 2 or w.packed.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
@@ -326,4 +337,5 @@ def int4_grouped_matmul(
         return _grouped_forward(x, w, group_sizes, tgt, interp)
 
     return dispatch_kernel("int4_grouped_matmul", impl, target, interpret, build,
-                           lambda: int4_grouped_matmul_reference(x, w, group_sizes))
+                           lambda: int4_grouped_matmul_reference(x, w, group_sizes),
+                           provenance=provenance)

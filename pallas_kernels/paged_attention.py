@@ -49,6 +49,7 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels import tuning
 from pallas_kernels.common import (
     NEG_INF,
+    Provenance,
     UnsupportedShapeError,
     check_gpu_fp8,
     combine_splits,
@@ -310,6 +311,7 @@ def paged_decode_attention(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [B, Hq, D] in q's dtype
     """Decode attention over paged K/V; see the module docstring for layouts and the two kernels."""
     _check(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales)
@@ -328,4 +330,5 @@ def paged_decode_attention(
         fwd = _tpu_forward if tgt == "tpu" else _gpu_forward
         return fwd(q, k_pages, v_pages, pt, lens, k_scales, v_scales, sm_scale, interp)
 
-    return dispatch_kernel("paged_decode_attention", impl, target, interpret, build, run_reference)
+    return dispatch_kernel("paged_decode_attention", impl, target, interpret, build, run_reference,
+                           provenance=provenance)

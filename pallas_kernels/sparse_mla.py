@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as pltr
 from pallas_kernels import tuning
 from pallas_kernels.common import (
     NEG_INF,
+    Provenance,
     UnsupportedShapeError,
     check_gpu_fp8,
     compute_dtype,
@@ -267,6 +268,7 @@ def sparse_mla_decode_attention(
     impl: str = "auto",
     interpret: bool | None = None,
     target: str | None = None,
+    provenance: Provenance | None = None,  # the caller's sink (common)
 ) -> jax.Array:  # [B, H, r] in q_latent's dtype
     """Weight-absorbed MLA decode attention over the selected tokens of each row; see the module docstring."""
     _check(q_latent, q_rope, latent_pages, page_table, indices, lengths, scales)
@@ -289,4 +291,5 @@ def sparse_mla_decode_attention(
         fwd = _tpu_forward if tgt == "tpu" else _gpu_forward
         return fwd(q_latent, q_rope, x, s, jnp.pad(valid, pad), bk, sm_scale, interp)
 
-    return dispatch_kernel("sparse_mla_decode_attention", impl, target, interpret, build, run_reference)
+    return dispatch_kernel("sparse_mla_decode_attention", impl, target, interpret, build, run_reference,
+                           provenance=provenance)

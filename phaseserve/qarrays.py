@@ -15,9 +15,10 @@ implementation by *registered type* (:func:`register`), never by duck typing. Ev
 :func:`dense`, every routed-expert matmul :func:`grouped_dense`, so the model runs unchanged on any representation.
 Calibration registers its recording tap the same way (``phaseserve.quant.calibrate``).
 
-Inside a ``phaseserve.kernel_mesh.kernel_scope`` (the engine's jitted steps), quantized-weight kernels run with the
-scope's ``matmul_impl`` and, on a mesh, under ``shard_map`` with the weight's partition spec
-(``kernel_mesh.dense`` / ``kernel_mesh.grouped_dense``); every call is recorded for the engine's provenance table.
+Both take the step's :class:`~phaseserve.kernel_mesh.KernelDispatch` as ``kd`` (default ``kernel_mesh.DIRECT``: the
+kernels called directly): quantized-weight kernels run with its ``matmul_impl`` and, on a mesh, under ``shard_map``
+with the weight's partition spec (``kernel_mesh.dense`` / ``kernel_mesh.grouped_dense``); every call is recorded in
+its provenance log (the engine's workers' ``kernels`` tables).
 
 Layering: ``config`` -> this module -> ``model`` -> ``quant`` (policies, quantization, calibration, formats).
 """
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_matmul import Fp8Weight, dequantize_fp8, fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.int4_matmul import Int4Weight, dequantize_int4, int4_grouped_matmul, int4_matmul
 from phaseserve import kernel_mesh
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 
 __all__ = ["Fp8Weight", "Int4Weight", "QuantOps", "dense", "dequantize", "grouped_dense", "is_quantized",
            "register", "stored_arrays"]
@@ -43,8 +45,9 @@ __all__ = ["Fp8Weight", "Int4Weight", "QuantOps", "dense", "dequantize", "groupe
 class QuantOps:
     """How one quantized weight type multiplies and expands."""
 
-    dense: Callable[..., jax.Array]  # (x [..., K], w [K, N], *, impl=...) -> [..., N] in x's dtype
-    grouped_dense: Callable[..., jax.Array]  # (x [M, K], w [E, K, N], sizes i32[E], *, impl=...) -> [M, N]
+    # (x [..., K], w [K, N], *, impl, provenance) -> [..., N] in x's dtype; impl / provenance as pallas_kernels'
+    dense: Callable[..., jax.Array]
+    grouped_dense: Callable[..., jax.Array]  # (x [M, K], w [E, K, N], sizes i32[E], *, impl, provenance) -> [M, N]
     dequantize: Callable[[Any, Any], jax.Array]  # (w, dtype) -> plain array of w's shape
 
 
@@ -77,21 +80,21 @@ def stored_arrays(w: Any) -> list[Any]:
     return jax.tree_util.tree_flatten(w, is_leaf=lambda v: v is not w)[0]
 
 
-def dense(x: jax.Array, w: Any) -> jax.Array:
+def dense(x: jax.Array, w: Any, kd: KernelDispatch = DIRECT) -> jax.Array:
     """``x @ w``: x [..., K], w [K, N] (plain or quantized) -> [..., N] in x's dtype, f32 accumulation."""
     ops = _OPS.get(type(w))
     if ops is not None:
-        return kernel_mesh.dense(x, w, ops.dense)
-    return kernel_mesh.plain("dense:plain", lambda: jnp.einsum(
+        return kernel_mesh.dense(kd, x, w, ops.dense)
+    return kernel_mesh.plain(kd, "dense:plain", lambda: jnp.einsum(
         "...k,kn->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype))
 
 
-def grouped_dense(x: jax.Array, w: Any, group_sizes: jax.Array) -> jax.Array:
+def grouped_dense(x: jax.Array, w: Any, group_sizes: jax.Array, kd: KernelDispatch = DIRECT) -> jax.Array:
     """Ragged expert matmul: x [M, K] sorted by expert, w [E, K, N], group_sizes i32[E] -> [M, N]."""
     ops = _OPS.get(type(w))
     if ops is not None:
-        return kernel_mesh.grouped_dense(x, w, group_sizes, ops.grouped_dense)
-    return kernel_mesh.plain("grouped:plain", lambda: _ragged(x, w, group_sizes))
+        return kernel_mesh.grouped_dense(kd, x, w, group_sizes, ops.grouped_dense)
+    return kernel_mesh.plain(kd, "grouped:plain", lambda: _ragged(x, w, group_sizes))
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

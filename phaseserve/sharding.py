@@ -19,7 +19,8 @@ everything     (none)      embeddings, norms, routers, q LoRA are replicated
 An axis whose size does not divide by its mesh axis is replicated instead (tiny test models). Quantized
 weights (INT4 / FP8 pytrees) shard each of their arrays along the same logical axes as the plain weight, and only
 where every array allows it (an INT4 group or FP8 scale block never straddles two devices).
-:func:`sharded_step` traces a worker's step inside a kernel scope, so its Pallas calls run under ``shard_map``.
+:func:`sharded_step` hands a worker's step its kernel dispatch (``kernel_mesh.KernelDispatch``) with the traced
+weights' specs bound, so its Pallas calls run under ``shard_map``.
 
 Device sets that this machine does not have are a :class:`~phaseserve.config.ConfigError` that says how many
 devices exist and how to simulate more on a CPU (:data:`SIMULATE_HINT`).
@@ -27,7 +28,6 @@ devices exist and how to simulate more on a CPU (:data:`SIMULATE_HINT`).
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from phaseserve.config import ConfigError, MeshConfig, ModelConfig
-from phaseserve.kernel_mesh import DEFAULT_RULES, component_specs, head_axis, kernel_scope, spec_for, weight_spec
+from phaseserve.kernel_mesh import DEFAULT_RULES, KernelDispatch, component_specs, head_axis, spec_for, weight_spec
 from phaseserve.model.params import logical_axes
 
 __all__ = ["DEFAULT_RULES", "SIMULATE_HINT", "make_mesh", "mesh_of", "param_shardings", "phase_devices",
@@ -128,14 +128,13 @@ def mesh_of(params: Any) -> Mesh:
     raise ValueError("params are not placed on a mesh (no NamedSharding leaf); place them with shard_params")
 
 
-def sharded_step(fn: Callable, cfg: ModelConfig, mesh: Mesh, *, phase: str, matmul_impl: str = "auto",
-                 attn_impl: str = "auto", log: collections.Counter | None = None) -> Callable:
-    """``fn(params, *args)`` traced inside a :func:`~phaseserve.kernel_mesh.kernel_scope` on ``mesh``: every
-    kernel call in it is ``shard_map``'d with its weight's spec and recorded in ``log``."""
-    def step(params: Any, *args: Any, **kw: Any) -> Any:
-        with kernel_scope(mesh, weight_axes(cfg, params), matmul_impl=matmul_impl, attn_impl=attn_impl,
-                          phase=phase, log=log):
-            return fn(params, *args, **kw)
+def sharded_step(fn: Callable, cfg: ModelConfig, kd: KernelDispatch) -> Callable:
+    """``step(params, *args)`` = ``fn(params, *args, kd=...)`` with ``kd`` (the worker's dispatch: its mesh,
+    implementations and provenance log) bound to the traced params' weight specs
+    (:meth:`~phaseserve.kernel_mesh.KernelDispatch.with_weights`): every kernel call in it is ``shard_map``'d with
+    its weight's spec and recorded in ``kd.log``."""
+    def step(params: Any, *args: Any) -> Any:
+        return fn(params, *args, kd=kd.with_weights(weight_axes(cfg, params)))
 
     return step
 

@@ -211,6 +211,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
                            load_1m=round(os.getloadavg()[0], 2))
                 records.append(rec)
                 log(f"repeat {rep + 1}/{repeats} batch {b} {arm}: {rec['tok_per_s']:.1f} tok/s")
+    env["kernels"] = rp.kernel_rows(*engines.values())
     agg = aggregate(records, METRICS)
     ratio = {arm: paired(records, arm, HF, "tok_per_s") for arm in engine_arms}
     agree = {b: agreement(tokens[(SHARED, b)], tokens[(HF, b)]) for b in batches}

@@ -496,6 +496,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
               for arm in arms[1:]}
     over = {key: {m: paired(records, "http", arm, m) for m in ("output_tok_per_s", "engine_tok_per_s")}
             if arm in arms else None for arm, key in CONTROLS.items()}
+    env["kernels"] = rp.kernel_rows(engine)
     results = {"experiment": "http_load", "environment": env,
                "settings": {"model": to_container(cfg.model), "quant": to_container(cfg.quant),
                             "cache": to_container(cfg.cache), "engine": to_container(cfg.engine),

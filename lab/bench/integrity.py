@@ -93,6 +93,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         return drive(eng, reqs, conc, str(w.arrival), float(w.rate), seed=rep)
 
     records = interleaved(engines, concs, int(spec.repeats), one, desc="integrity", progress=bool(cfg.progress))
+    env["kernels"] = rp.kernel_rows(*engines.values())
     del engines
     ref = spec.reference if spec.reference in arm_names else arm_names[-1]
     matrix = fault_matrix(cfg, model_cfg, params, spec, log) if spec.faults and spec.fault_trackers else {}

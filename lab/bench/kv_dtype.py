@@ -83,6 +83,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         return drive(eng, reqs, conc, str(w.arrival), float(w.rate), seed=rep)
 
     records = interleaved(engines, concs, int(spec.repeats), one, desc="kv_dtype", progress=bool(cfg.progress))
+    env["kernels"] = rp.kernel_rows(*engines.values())
     ps_ = int(cfg.cache.page_size)
     per_req = pages_per_request(max_length(w.prompt), max_length(w.output), ps_)
     arms_info = {}

@@ -97,6 +97,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
             transfer[c] = {"transfers": n, "mean_s": (after.get("seconds", 0) - before.get("seconds", 0)) / max(n, 1)}
     finally:
         remote.close()
+    env["kernels"] = rp.kernel_rows(engine)  # the timed in-process engine's (the actors trace in their processes)
     wire = [wire_bytes(mspec, model_cfg, params, base, options, canonical_dtype(str(kv)))
             for kv in as_list(spec.wire_kv)]
     agg = aggregate(records, ["tok_per_s", "wall_s"])

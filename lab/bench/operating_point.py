@@ -317,6 +317,7 @@ def measure_model(cfg: DictConfig, node: dict, spec: OperatingPointSpec, log=pri
                           desc=node["name"], progress=bool(cfg.progress))
     for r in records:
         r["model"], r["weights"] = node["name"], r["arm"].split("/")[1]
+    facts["kernels"] = rp.kernel_rows(*engines.values())
     return facts, records
 
 
@@ -365,6 +366,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
         records += recs
         log(f"[{entry.name}] {facts['params'] / 1e6:.1f}M params measured")
     rates_after = machine_rates(spec.bandwidth_mib, spec.matmul_n)
+    env["kernels"] = rp.kernel_rows(*(m.pop("kernels") for m in models))
     results = {"experiment": "operating_point", "environment": env, "settings": {
         k: getattr(spec, k) for k in ("weights", "batches", "context", "steps", "repeats", "min_gain", "min_batch")},
         "machine": {"before": rates, "after": rates_after}, "models": models, "gpu": gpu_curve(spec),

@@ -383,7 +383,8 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
     engine = Engine.from_hydra(cfg)
     log(f"prewarm: {prewarm(engine, spec):.1f} s")
     res = soak(engine, tokenizer_of(cfg), spec, log)
-    results = {"experiment": "reliability", "spec": dataclasses.asdict(spec), "environment": environment(),
+    env = environment() | {"kernels": rp.kernel_rows(engine)}
+    results = {"experiment": "reliability", "spec": dataclasses.asdict(spec), "environment": env,
                "model": engine.cfg.architecture, "serve": {"mode": engine.serve.mode, "pages": engine.num_pages - 1,
                                                            "max_batch": engine.max_batch,
                                                            "weights": engine.serve.quant.decode_weights,

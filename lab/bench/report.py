@@ -10,6 +10,7 @@ Every experiment writes into its output directory (the Hydra run directory by de
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import textwrap
@@ -42,11 +43,21 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def kernel_rows(*sources: Any) -> list[dict]:
+    """The kernel provenance a result's ``environment.kernels`` carries: each op the measured engines' steps traced,
+    with the implementation and layout it built, rows of equal keys summed over ``sources``: engines (each counted
+    once; ``Engine.summary()["kernels"]``, the tables their workers own) or row lists taken earlier."""
+    keys = ("phase", "op", "platform", "impl", "reason", "layout")
+    log: collections.Counter = collections.Counter()
+    for src in {id(s): s for s in sources}.values():
+        for row in src if isinstance(src, list) else src.summary()["kernels"]:
+            log[tuple(row[k] for k in keys)] += row["count"]
+    return provenance_rows(log)
+
+
 def write_json(path: Path, obj: Any) -> Path:
-    """Write ``obj`` as JSON; a result's ``environment`` block gets ``kernels``: every op the engines of this process
-    traced and the implementation each built (``phaseserve.kernel_mesh.provenance_rows``)."""
-    if isinstance(obj, dict) and isinstance(obj.get("environment"), dict):
-        obj = {**obj, "environment": {**obj["environment"], "kernels": provenance_rows()}}
+    """Write ``obj`` as JSON (a result's ``environment.kernels``, when it has one, is :func:`kernel_rows` of the
+    engines it measured, set by the experiment)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=False) + "\n")

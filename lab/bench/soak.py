@@ -109,8 +109,8 @@ def _serve(base: ServeConfig, kv: str, cache: CacheConfig, max_batch: int) -> Se
                                max_batch=max_batch)
 
 
-def soak_arm(cfg, params, serve: ServeConfig, spec: SoakSpec, reqs: list[Request]) -> tuple[dict, dict]:
-    """Drive one engine through the workload; (counters, outputs by id of the valid requests)."""
+def soak_arm(cfg, params, serve: ServeConfig, spec: SoakSpec, reqs: list[Request]) -> tuple[dict, dict, list[dict]]:
+    """Drive one engine through the workload; (counters, outputs by id of the valid requests, its kernel rows)."""
     eng = Engine(cfg, params, serve)
     rng = np.random.default_rng(spec.seed + 1)
     pending, outs, cancelled, checks = list(reqs), {}, set(), 0
@@ -147,7 +147,7 @@ def soak_arm(cfg, params, serve: ServeConfig, spec: SoakSpec, reqs: list[Request
         pages_leaked=eng.num_pages - 1 - eng.allocator.num_free, swap=dict(eng.swap_stats),
         unfinished=sum(o.finish_reason is None for o in outs.values()))
     return counters, {rid: (o.tokens, o.finish_reason, rid in cancelled, o.metrics.preemptions > 0)
-                      for rid, o in outs.items()}
+                      for rid, o in outs.items()}, rp.kernel_rows(eng)
 
 
 def compare(got: dict, ref: dict) -> dict:
@@ -176,19 +176,22 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict:
     large = CacheConfig(page_size=spec.page_size, num_pages=spec.replay_pages,
                         max_pages_per_seq=spec.max_pages_per_seq)
     replays: dict[str, dict] = {}
-    arms = {}
+    arms, kernels = {}, []
     for arm in spec.arms:
         kv, mode = arm.split("/")
-        counters, got = soak_arm(model_cfg, params, _serve(base, kv, dataclasses.replace(small, preemption=mode),
+        counters, got, rows = soak_arm(model_cfg, params, _serve(base, kv, dataclasses.replace(small, preemption=mode),
                                                            spec.max_batch), spec, reqs)
         if kv not in replays:
             valid = [r for r in reqs if isinstance(r.id, str) and r.id in got]
             eng = Engine(model_cfg, params, _serve(base, kv, large, max(spec.max_batch, 64)))
             replays[kv] = {o.id: o.tokens for o in eng.generate(valid)}
+            kernels.append(rp.kernel_rows(eng))
+        kernels.append(rows)
         arms[arm] = dict(counters, replay=compare(got, replays[kv]))
         print(arm, {k: v for k, v in arms[arm].items() if k != "replay"}, arms[arm]["replay"])
+    env = environment() | {"kernels": rp.kernel_rows(*kernels)}
     results = {"experiment": "soak", "properties": property_run(spec), "spec": dataclasses.asdict(spec),
-               "environment": environment(), "model": model_cfg.architecture, "weights": base.quant.decode_weights,
+               "environment": env, "model": model_cfg.architecture, "weights": base.quant.decode_weights,
                "arms": arms}
     rp.write_outputs(Path(out_dir), cfg, results, render(results))
     plot(results, Path(out_dir))

@@ -94,6 +94,7 @@ def run(cfg: DictConfig, out_dir: str | Path, log=print) -> dict:
 
     records = interleaved(engines, concs + [PREFILL], int(spec.repeats), one, desc="weight_dtype",
                           progress=bool(cfg.progress))
+    env["kernels"] = rp.kernel_rows(*engines.values())
     ref = spec.reference if spec.reference in weights else weights[0]
     results = {"experiment": "weight_dtype", "environment": env, "settings": {
         "model": to_container(cfg.model), "num_experts": model_cfg.num_experts,

@@ -31,6 +31,7 @@ from phaseserve.cache.attend import PagedAttend
 from phaseserve.cache.paged import GQAPages, MLAPages, quantize_kv
 from phaseserve.config import ModelConfig
 from phaseserve.data.tokenizer import ByteTokenizer
+from phaseserve.kernel_mesh import KernelDispatch
 from phaseserve.model import transformer
 from phaseserve.model.layers import softmax_scale
 
@@ -60,7 +61,7 @@ def decode_step(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Arra
     -> (logits f32[B, V], updated caches)."""
     b = tokens.shape[0]
     attend = PagedAttend(jnp.arange(1, b + 1, dtype=jnp.int32)[:, None], positions, jnp.ones((b,), bool), None,
-                         sm_scale=softmax_scale(cfg), impl="reference")
+                         sm_scale=softmax_scale(cfg), kd=KernelDispatch(attn_impl="reference"))
     return transformer.decode_step(params, cfg, tokens, positions, caches, attend)
 
 

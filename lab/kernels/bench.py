@@ -115,7 +115,7 @@ def _pool(key, sz: Sizes, row: tuple[int, ...], dtype, scale_shape):
     return pages, (scales if dtype == jnp.float8_e4m3fn else None), table
 
 
-def bench_attention(sz: Sizes) -> list[Row]:
+def bench_attention(sz: Sizes, prov: common.Provenance) -> list[Row]:
     rows = []
     b, lengths = sz.batch, jnp.full((sz.batch,), sz.context, jnp.int32)
     hq, hkv, d = sz.gqa_heads
@@ -128,7 +128,7 @@ def bench_attention(sz: Sizes) -> list[Row]:
         times = {}
         for impl in ("pallas", "reference"):
             fn = jax.jit(lambda q, k, v, t, n, a, c, impl=impl: paged_attention.paged_decode_attention(
-                q, k, v, t, n, k_scales=a, v_scales=c, impl=impl))
+                q, k, v, t, n, k_scales=a, v_scales=c, impl=impl, provenance=prov))
             times[impl] = timeit(fn, args, sz.iters, sz.trials)
         rows.append(Row(f"gqa decode {jnp.dtype(dtype).name} pages B{b} L{sz.context}", "pallas", times["pallas"],
                         nbytes, ref_seconds=times["reference"]))
@@ -141,7 +141,7 @@ def bench_attention(sz: Sizes) -> list[Row]:
         times = {}
         for impl in ("pallas", "reference"):
             fn = jax.jit(lambda a, c, p, t, n, s, impl=impl: mla_attention.mla_decode_attention(
-                a, c, p, t, n, scales=s, sm_scale=(192**-0.5), impl=impl))
+                a, c, p, t, n, scales=s, sm_scale=(192**-0.5), impl=impl, provenance=prov))
             times[impl] = timeit(fn, [(ql, qr, x, table, lengths, sc)], sz.iters, sz.trials)
         rows.append(Row(f"mla decode {jnp.dtype(dtype).name} latents B{b} L{sz.context} H{h}", "pallas",
                         times["pallas"], nbytes, ref_seconds=times["reference"]))
@@ -152,15 +152,15 @@ def _int4_weight(key, lead, k, n):
     return int4_matmul.quantize_int4(jax.random.normal(key, (*lead, k, n), jnp.float32), 32, jnp.bfloat16)
 
 
-def bench_w4a16(sz: Sizes) -> list[Row]:
+def bench_w4a16(sz: Sizes, prov: common.Provenance) -> list[Row]:
     rows = []
     for k, n in sz.w4_shapes:
         w4 = copies(lambda key, k=k, n=n: (_int4_weight(key, (), k, n),), k * n // 2, sz, 10)
         wb = copies(lambda key, k=k, n=n: (jax.random.normal(key, (k, n), jnp.bfloat16),), 2 * k * n, sz, 20)
         for m in sz.decode_m:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            t4 = timeit(jax.jit(lambda x, w: int4_matmul.int4_matmul(x, w, impl="pallas")), [(x, *a) for a in w4],
-                        sz.iters, sz.trials)
+            t4 = timeit(jax.jit(lambda x, w: int4_matmul.int4_matmul(x, w, impl="pallas", provenance=prov)),
+                        [(x, *a) for a in w4], sz.iters, sz.trials)
             tr = timeit(jax.jit(lambda x, w: int4_matmul.int4_matmul_reference(x, w)), [(x, *a) for a in w4],
                         sz.iters, sz.trials)
             tb = timeit(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)),
@@ -176,13 +176,14 @@ def bench_w4a16(sz: Sizes) -> list[Row]:
     experts = jax.random.randint(jax.random.key(32), (rows_x,), 0, e)
     sizes = jnp.bincount(experts, length=e).astype(jnp.int32)
     touched = int(jnp.sum(sizes > 0))
-    tg = timeit(jax.jit(lambda x, w, g: int4_matmul.int4_grouped_matmul(x, w, g, impl="pallas")), [(x, we, sizes)],
-                sz.iters, sz.trials)
+    tg = timeit(jax.jit(lambda x, w, g: int4_matmul.int4_grouped_matmul(x, w, g, impl="pallas", provenance=prov)),
+                [(x, we, sizes)], sz.iters, sz.trials)
     tr = timeit(jax.jit(int4_matmul.int4_grouped_matmul_reference), [(x, we, sizes)], sz.iters, sz.trials)
     rows.append(Row(f"w4a16 grouped {rows_x} rows {touched}/{e} experts K{k} N{n}", "pallas", tg,
                     touched * we.nbytes / e, ref_seconds=tr))
     w8 = fp8_matmul.quantize_fp8(jax.random.normal(jax.random.key(33), (e, k, n), jnp.float32), (128, 128))
-    t8 = timeit(jax.jit(lambda x, w, g: fp8_matmul.fp8_grouped_matmul(x, w, g, act_quant=False, impl="pallas")),
+    t8 = timeit(jax.jit(lambda x, w, g: fp8_matmul.fp8_grouped_matmul(x, w, g, act_quant=False, impl="pallas",
+                                                                      provenance=prov)),
                 [(x, w8, sizes)], sz.iters, sz.trials)
     tr8 = timeit(jax.jit(fp8_matmul.fp8_grouped_matmul_reference), [(x, w8, sizes)], sz.iters, sz.trials)
     rows.append(Row(f"fp8 grouped W8A16 {rows_x} rows {touched}/{e} experts K{k} N{n}", "pallas", t8,
@@ -190,7 +191,7 @@ def bench_w4a16(sz: Sizes) -> list[Row]:
     return rows
 
 
-def bench_prefill(sz: Sizes) -> list[Row]:
+def bench_prefill(sz: Sizes, prov: common.Provenance) -> list[Row]:
     m, k, n = sz.prefill
     flops = 2 * m * k * n
     x = jax.random.normal(jax.random.key(40), (m, k), jnp.bfloat16)
@@ -199,7 +200,7 @@ def bench_prefill(sz: Sizes) -> list[Row]:
     rows = []
     for name, fn, ref, w in (("fp8", fp8_matmul.fp8_matmul, fp8_matmul.fp8_matmul_reference, w8),
                              ("int4", int4_matmul.int4_matmul, int4_matmul.int4_matmul_reference, w4)):
-        t = timeit(jax.jit(functools.partial(fn, impl="pallas")), [(x, w)], sz.iters, sz.trials)
+        t = timeit(jax.jit(functools.partial(fn, impl="pallas", provenance=prov)), [(x, w)], sz.iters, sz.trials)
         tr = timeit(jax.jit(ref), [(x, w)], sz.iters, sz.trials)
         rows.append(Row(f"prefill {name} M{m} K{k} N{n}", "pallas", t, flops=flops, ref_seconds=tr))
     return rows
@@ -245,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
               + (" -- SMOKE RUN, numbers are meaningless" if args.smoke else ""),
               f"measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write), BF16 matmul {mm_rate / 1e12:.0f} "
               f"TFLOP/s ({sz.matmul}^3)", ""]
-    rows = bench_attention(sz) + bench_w4a16(sz) + bench_prefill(sz)
+    prov = common.Provenance()  # what each kernel call built
+    rows = bench_attention(sz, prov) + bench_w4a16(sz, prov) + bench_prefill(sz, prov)
     lines = header + table(rows, copy_bw, mm_rate) + [""] + goals(rows, copy_bw, sz) + ["", "kernel provenance:"]
-    lines += [f"  {r['op']} [{r['platform']}] {r['impl']} x{r['count']} {r['reason']}" for r in common.provenance()]
+    lines += [f"  {r['op']} [{r['platform']}] {r['impl']} x{r['count']} {r['reason']}"
+              for r in common.provenance_rows(prov)]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

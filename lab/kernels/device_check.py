@@ -7,7 +7,7 @@ call lowers for: Triton on a GPU, Mosaic on a TPU; on a CPU, interpret mode), co
 reference by relative Frobenius error (float32: 1e-5, which only holds with exact f32 dots; bf16: 1e-2), and
 prints one line per check. It exits with status 1 if any check fails or raises. ``--smoke`` uses tiny shapes
 (for the CPU: the recipe's smoke test). The JSON has each check's error, tolerance and time, the versions and
-the kernel provenance (:func:`pallas_kernels.common.provenance`).
+the kernel provenance (:func:`pallas_kernels.common.provenance_rows` of the calls' sink).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def _pool(rng, s: Shapes, row: tuple[int, ...], dtype):
     return jnp.asarray(vals).astype(dtype), scales, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
-def checks(s: Shapes, seed: int = 0) -> list[Check]:
+def checks(s: Shapes, prov: common.Provenance, seed: int = 0) -> list[Check]:
+    """The checks at shapes ``s``; each kernel call counts what it built in ``prov``."""
     rng = np.random.default_rng(seed)
     out: list[Check] = []
     hq, hkv, d = s.gqa
@@ -78,7 +79,7 @@ def checks(s: Shapes, seed: int = 0) -> list[Check]:
         v, vs, _, _ = _pool(rng, s, (hkv, d), dt)
         q = jnp.asarray(rng.standard_normal((s.batch, hq, d)), qdt)
         out.append(Check(f"paged_gqa {jnp.dtype(dt).name} B{s.batch} ctx{s.context}", functools.partial(
-            lambda impl, q, k, v, pt, lens, ks, vs: paged_decode(q, k, v, pt, lens, ks, vs, impl),
+            lambda impl, q, k, v, pt, lens, ks, vs: paged_decode(q, k, v, pt, lens, ks, vs, impl, prov),
             q=q, k=k, v=v, pt=pt, lens=lens, ks=ks, vs=vs), jnp.dtype(qdt).name))
     h, r, rope = s.mla
     for dt in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32):
@@ -88,12 +89,13 @@ def checks(s: Shapes, seed: int = 0) -> list[Check]:
         qr = jnp.asarray(rng.standard_normal((s.batch, h, rope)), qdt)
         out.append(Check(f"paged_mla {jnp.dtype(dt).name} H{h} B{s.batch} ctx{s.context}", functools.partial(
             lambda impl, ql, qr, x, pt, lens, sc: jax.jit(functools.partial(
-                mla_attention.mla_decode_attention, scales=sc, sm_scale=r ** -0.5, impl=impl))(ql, qr, x, pt, lens),
+                mla_attention.mla_decode_attention, scales=sc, sm_scale=r ** -0.5, impl=impl, provenance=prov))(
+                ql, qr, x, pt, lens),
             ql=ql, qr=qr, x=x, pt=pt, lens=lens, sc=sc), jnp.dtype(qdt).name))
         idx = jnp.asarray(rng.integers(-1, s.context, size=(s.batch, s.topk)), jnp.int32)  # -1 and >= len: masked
         out.append(Check(f"sparse_mla {jnp.dtype(dt).name} H{h} B{s.batch} K{s.topk}", functools.partial(
             lambda impl, ql, qr, x, pt, idx, lens, sc: jax.jit(functools.partial(
-                sparse_mla.sparse_mla_decode_attention, scales=sc, sm_scale=r ** -0.5, impl=impl))(
+                sparse_mla.sparse_mla_decode_attention, scales=sc, sm_scale=r ** -0.5, impl=impl, provenance=prov))(
                 ql, qr, x, pt, idx, lens), ql=ql, qr=qr, x=x, pt=pt, idx=idx, lens=lens, sc=sc), jnp.dtype(qdt).name))
     t, hp, dk, dv = s.prefill
     for dt in (jnp.bfloat16, jnp.float32):
@@ -102,22 +104,25 @@ def checks(s: Shapes, seed: int = 0) -> list[Check]:
         lens = jnp.asarray([t, t // 2 + 1], jnp.int32)
         out.append(Check(f"flash_prefill {jnp.dtype(dt).name} T{t} H{hp} dk{dk} dv{dv}", functools.partial(
             lambda impl, q, k, v, pos, lens: jax.jit(functools.partial(
-                flash_prefill.flash_prefill, sm_scale=dk ** -0.5, impl=impl))(q, k, v, pos, lens),
+                flash_prefill.flash_prefill, sm_scale=dk ** -0.5, impl=impl, provenance=prov))(q, k, v, pos, lens),
             q=q, k=k, v=v, pos=pos, lens=lens), jnp.dtype(dt).name))
     kd, nd = s.dense
     for m, xdt in ((1, jnp.bfloat16), (16, jnp.bfloat16), (4, jnp.float32)):
         w = int4_matmul.quantize_int4(jnp.asarray(rng.standard_normal((kd, nd)), jnp.float32), 32)
         x = jnp.asarray(rng.standard_normal((m, kd)), xdt)
         out.append(Check(f"int4_matmul M{m} K{kd} N{nd} {jnp.dtype(xdt).name}", functools.partial(
-            lambda impl, x, w: jax.jit(functools.partial(int4_matmul.int4_matmul, impl=impl))(x, w), x=x, w=w),
+            lambda impl, x, w: jax.jit(functools.partial(int4_matmul.int4_matmul, impl=impl, provenance=prov))(x, w),
+            x=x, w=w),
             jnp.dtype(xdt).name))
         wf = fp8_matmul.quantize_fp8(jnp.asarray(rng.standard_normal((kd, nd)), jnp.float32))
         out.append(Check(f"fp8_matmul W8A16 M{m} K{kd} N{nd} {jnp.dtype(xdt).name}", functools.partial(
-            lambda impl, x, w: jax.jit(functools.partial(fp8_matmul.fp8_matmul, act_quant=False, impl=impl))(x, w),
+            lambda impl, x, w: jax.jit(functools.partial(fp8_matmul.fp8_matmul, act_quant=False, impl=impl,
+                                                         provenance=prov))(x, w),
             x=x, w=wf), jnp.dtype(xdt).name))
         if xdt == jnp.bfloat16:  # W8A8 (the GPU default for 16-bit activations): activations rounded to e4m3
             out.append(Check(f"fp8_matmul W8A8 M{m} K{kd} N{nd} {jnp.dtype(xdt).name}", functools.partial(
-                lambda impl, x, w: jax.jit(functools.partial(fp8_matmul.fp8_matmul, act_quant=True, impl=impl))(x, w),
+                lambda impl, x, w: jax.jit(functools.partial(fp8_matmul.fp8_matmul, act_quant=True, impl=impl,
+                                                             provenance=prov))(x, w),
                 x=x, w=wf), jnp.dtype(xdt).name))
     e, rows, ke, ne = s.experts
     sizes = rng.multinomial(rows, np.ones(e) / e)
@@ -126,7 +131,8 @@ def checks(s: Shapes, seed: int = 0) -> list[Check]:
     x = jnp.asarray(rng.standard_normal((rows, ke)), jnp.bfloat16)
     wi = int4_matmul.quantize_int4(jnp.asarray(rng.standard_normal((e, ke, ne)), jnp.float32), 128)
     out.append(Check(f"int4_grouped E{e} M{rows} K{ke} N{ne}", functools.partial(
-        lambda impl, x, w: jax.jit(functools.partial(int4_matmul.int4_grouped_matmul, impl=impl))(x, w, gs),
+        lambda impl, x, w: jax.jit(functools.partial(int4_matmul.int4_grouped_matmul, impl=impl, provenance=prov))(
+            x, w, gs),
         x=x, w=wi), "bfloat16"))
     for block in ((128, 128), None):
         wf = fp8_matmul.quantize_fp8(jnp.asarray(rng.standard_normal((e, ke, ne)), jnp.float32), block)
@@ -134,13 +140,14 @@ def checks(s: Shapes, seed: int = 0) -> list[Check]:
             out.append(Check(f"fp8_grouped {'block' if block else 'channel'} {'W8A8' if aq else 'W8A16'} E{e} "
                              f"M{rows} K{ke} N{ne}", functools.partial(
                 lambda impl, x, w, aq: jax.jit(functools.partial(fp8_matmul.fp8_grouped_matmul, act_quant=aq,
-                                                                 impl=impl))(x, w, gs), x=x, w=wf, aq=aq),
+                                                                 impl=impl, provenance=prov))(x, w, gs),
+                x=x, w=wf, aq=aq),
                 "bfloat16"))
     return out
 
 
-def paged_decode(q, k, v, pt, lens, ks, vs, impl):
-    fn = functools.partial(paged_attention.paged_decode_attention, k_scales=ks, v_scales=vs, impl=impl)
+def paged_decode(q, k, v, pt, lens, ks, vs, impl, prov):
+    fn = functools.partial(paged_attention.paged_decode_attention, k_scales=ks, v_scales=vs, impl=impl, provenance=prov)
     return jax.jit(fn)(q, k, v, pt, lens)
 
 
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     kept = fp8_roundtrip_kept()
     print(f"a jitted f32 -> e4m3 -> f32 round trip rounds: {kept} (False: XLA drops the rounding, as excess precision "
           "allows; the W8A8 references hold their e4m3 values behind an optimization barrier)")
-    for c in checks(SMOKE if args.smoke else FULL):
+    prov = common.Provenance()  # what each kernel call built
+    for c in checks(SMOKE if args.smoke else FULL, prov):
         t0 = time.perf_counter()
         try:
             ref = c.run("reference")
@@ -185,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                           fp8_roundtrip_kept=kept, smoke=args.smoke, checks=rows, provenance=common.provenance()),
+                           fp8_roundtrip_kept=kept, smoke=args.smoke, checks=rows,
+                           provenance=common.provenance_rows(prov)),
                       f, indent=1)
     return 1 if failures else 0
 

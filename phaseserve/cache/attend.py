@@ -3,7 +3,8 @@
 For every row ``b`` of the batch, :class:`PagedAttend` writes the new token's KV at ``positions[b]`` into the
 row's pages, then attends over the row's first ``positions[b] + 1`` tokens with the paged kernels
 (``pallas_kernels.paged_attention`` for GQA, ``pallas_kernels.mla_attention`` for MLA latents; FP8 pages are
-dequantized inside the kernel)::
+dequantized inside the kernel), called per the step's :class:`~phaseserve.kernel_mesh.KernelDispatch` (``kd``: its
+``attn_impl``, mesh and provenance log)::
 
     pages, o = attend(pages, q, kv)     # GQA: q [B, H, hd], kv (k, v) [B, KV, hd] -> o [B, H, hd]
                                         # MLA: q (q_latent [B, H, r], q_rope [B, H, rope]), kv [B, r+rope]
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import resolve_impl
 from phaseserve.cache import dsa
 from phaseserve.cache.paged import GQAPages, MLAPages, as_values, take_pages, write_token_layer
-from phaseserve.kernel_mesh import mla_decode_attention, paged_decode_attention  # shard_map'd on the decode mesh
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch, mla_decode_attention, paged_decode_attention
 from phaseserve.model.indexer import DSAQuery
 
 
@@ -46,7 +47,7 @@ class PagedAttend:
         *,
         tracker: Any = None,
         sm_scale: float,
-        impl: str = "auto",
+        kd: KernelDispatch = DIRECT,  # the step's kernel dispatch: attn_impl, mesh (shard_map), provenance log
     ):
         if tracker is not None:
             with jax.named_scope("integrity"):
@@ -54,7 +55,7 @@ class PagedAttend:
                 active = tracker.mask_rows(active, ok)
         self.page_table, self.positions, self.write = page_table, positions, active
         self.lengths = jnp.where(active, positions + 1, 0)  # i32[B]
-        self.tracker, self.sm_scale, self.impl = tracker, sm_scale, impl
+        self.tracker, self.sm_scale, self.kd = tracker, sm_scale, kd
         self.finite: jax.Array | None = None  # bool[B] after the first layer when the tracker guards
         self.computed: jax.Array | None = None  # bool[B] every layer's new KV of the row finite (when it guards)
         self.selection: jax.Array | None = None  # i32[B, K] the last GLM-5 DSA selection (cache.dsa)
@@ -69,20 +70,20 @@ class PagedAttend:
         with jax.named_scope("attention"):
             read = pages
             narrow = any(a.dtype.itemsize < 4 for a in jax.tree.leaves(pages))
-            if narrow and resolve_impl(self.impl) == "reference":  # see rows_view
+            if narrow and resolve_impl(self.kd.attn_impl) == "reference":  # see rows_view
                 read, pt = rows_view(pages, pt)
             else:  # raw-bit pages (XLA:CPU, paged.storage_dtype) as values for the kernels
                 read = jax.tree.map(as_values, pages)
             if isinstance(q, DSAQuery):
                 o, self.selection = dsa.sparse_attend(read, pt, lengths, q, self.selection, sm_scale=self.sm_scale,
-                                                      impl=self.impl)
+                                                      kd=self.kd)
             elif isinstance(pages, MLAPages):
                 q_latent, q_rope = q
-                o = mla_decode_attention(q_latent, q_rope, read.latent, pt, lengths, scales=read.scale,
-                                         sm_scale=self.sm_scale, impl=self.impl)
+                o = mla_decode_attention(self.kd, q_latent, q_rope, read.latent, pt, lengths, scales=read.scale,
+                                         sm_scale=self.sm_scale)
             else:
-                o = paged_decode_attention(q, read.k, read.v, pt, lengths, k_scales=read.k_scale,
-                                           v_scales=read.v_scale, sm_scale=self.sm_scale, impl=self.impl)
+                o = paged_decode_attention(self.kd, q, read.k, read.v, pt, lengths, k_scales=read.k_scale,
+                                           v_scales=read.v_scale, sm_scale=self.sm_scale)
         if self.tracker is not None:
             with jax.named_scope("integrity"):
                 o, self.finite = self.tracker.guard(o, self.finite)

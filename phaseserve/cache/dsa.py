@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from phaseserve.cache.paged import MLAPages, dequantize_kv, take_pages
-from phaseserve.kernel_mesh import sparse_mla_decode_attention  # shard_map'd on the decode mesh
+from phaseserve.kernel_mesh import KernelDispatch, sparse_mla_decode_attention  # shard_map'd on kd's mesh
 from phaseserve.model import indexer
 from phaseserve.model.indexer import DSAQuery
 
@@ -46,7 +46,7 @@ def select_cached(pages: MLAPages, page_table: jax.Array, lengths: jax.Array, q:
 
 
 def sparse_attend(pages: MLAPages, page_table: jax.Array, lengths: jax.Array, q: DSAQuery,
-                  selection: jax.Array | None, *, sm_scale: float, impl: str) -> tuple[jax.Array, jax.Array]:
+                  selection: jax.Array | None, *, sm_scale: float, kd: KernelDispatch) -> tuple[jax.Array, jax.Array]:
     """One DSA layer of a decode step: -> (o_latent [B, H, r], the selection a following "shared" layer reuses)."""
     finite = None
     if q.index_q is not None:
@@ -55,8 +55,8 @@ def sparse_attend(pages: MLAPages, page_table: jax.Array, lengths: jax.Array, q:
     elif selection is None:
         raise ValueError("a DSA layer without an indexer ('shared') needs the previous layer's selection")
     with jax.named_scope("dsa_attention"):
-        o = sparse_mla_decode_attention(q.q_latent, q.q_rope, pages.latent, page_table, selection, lengths,
-                                        scales=pages.scale, sm_scale=sm_scale, impl=impl)
+        o = sparse_mla_decode_attention(kd, q.q_latent, q.q_rope, pages.latent, page_table, selection, lengths,
+                                        scales=pages.scale, sm_scale=sm_scale)
     if finite is not None:  # a non-finite index key makes the output non-finite: the integrity guard sees it
         o = jnp.where(finite[:, None, None], o, jnp.nan)
     return o, selection

@@ -28,6 +28,7 @@ from phaseserve.cache.attend import PagedAttend
 from phaseserve.cache.paged import PagePool
 from phaseserve.config import ModelConfig
 from phaseserve.engine.sampling import sample, token_logprobs
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model import transformer
 from phaseserve.model.layers import softmax_scale
 from phaseserve.model.params import Params
@@ -50,15 +51,16 @@ class DecodeBatch:
 
 
 def decode_logits(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
-                  tracker: Any = None, attn_impl: str = "auto") -> tuple[jax.Array, PagePool, Any]:
+                  tracker: Any = None, kd: KernelDispatch = DIRECT) -> tuple[jax.Array, PagePool, Any]:
     """The model's decode step over the paged cache: (logits f32[B, V], pool', finite bool[B] | None).
 
     ``finite`` is False for a row that read NaN/inf from its pages (a cache fault, for the integrity tracker); a row
     whose own new KV was non-finite overflowed in the model instead: its logits are NaN (the sampler's non-finite
-    row, :data:`phaseserve.engine.sampling.NONFINITE_TOKEN`) and it is not flagged."""
+    row, :data:`phaseserve.engine.sampling.NONFINITE_TOKEN`) and it is not flagged. ``kd``: the step's kernel dispatch
+    (``phaseserve.kernel_mesh``: attention and matmul implementations, mesh, provenance log)."""
     attend = PagedAttend(batch.page_table, batch.positions, batch.active, ok, tracker=tracker,
-                         sm_scale=softmax_scale(cfg), impl=attn_impl)
-    logits, layers = transformer.decode_step(params, cfg, batch.tokens, batch.positions, pool.layers, attend)
+                         sm_scale=softmax_scale(cfg), kd=kd)
+    logits, layers = transformer.decode_step(params, cfg, batch.tokens, batch.positions, pool.layers, attend, kd=kd)
     finite = attend.finite
     if attend.computed is not None:
         finite = finite | ~attend.computed
@@ -67,12 +69,12 @@ def decode_logits(params: Params, cfg: ModelConfig, pool: PagePool, batch: Decod
 
 
 def decode_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: DecodeBatch, ok: Any, *,
-                tracker: Any = None, attn_impl: str = "auto", top: int = 1
+                tracker: Any = None, kd: KernelDispatch = DIRECT, top: int = 1
                 ) -> tuple[jax.Array, PagePool, Any, tuple[jax.Array, ...]]:
     """One decode step for the batch. ``ok`` bool[B] from the tracker's check (None when disabled). Returns (next
     i32[B], pool', finite, the sampled tokens' logprobs ``(f32[B], f32[B, top], i32[B, top])``, zeros where no
     row asked)."""
-    logits, pool, finite = decode_logits(params, cfg, pool, batch, ok, tracker=tracker, attn_impl=attn_impl)
+    logits, pool, finite = decode_logits(params, cfg, pool, batch, ok, tracker=tracker, kd=kd)
     with jax.named_scope("sampling"):
         nxt = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
         lps = token_logprobs(logits, nxt, batch.want_logprobs, top)

@@ -32,6 +32,7 @@ from flax import struct
 from phaseserve.cache.paged import PagePool, gather_layer, write_layer
 from phaseserve.config import ModelConfig
 from phaseserve.engine.sampling import sample, token_logprobs
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model.params import Params
 from phaseserve.model.transformer import logits_from_hidden, prefill_hidden
 
@@ -73,18 +74,19 @@ class PoolContext:
             return gather_layer(self.layers[i], b.page_table, self.dtype)
 
 
-def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBatch, top: int = 1
-               ) -> tuple[jax.Array, PagePool, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+def chunk_step(params: Params, cfg: ModelConfig, pool: PagePool, batch: ChunkBatch, top: int = 1, *,
+               kd: KernelDispatch = DIRECT) -> tuple[jax.Array, PagePool, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """One chunk per row (see the module docstring): (sampled i32[B], the prefill pool with the chunks written,
     the sampled tokens' logprobs ``(f32[B], f32[B, top], i32[B, top])``, every position's logprob of its target
-    ``(f32[B, C], f32[B, C, top], i32[B, C, top])``); logprobs read zeros where no row asked."""
+    ``(f32[B, C], f32[B, C, top], i32[B, C, top])``); logprobs read zeros where no row asked. ``kd``: the step's
+    kernel dispatch (``phaseserve.kernel_mesh``)."""
     ctx = PoolContext(pool, batch, params.embed.dtype)
-    x, _ = prefill_hidden(params, cfg, batch.tokens, batch.lengths, batch.positions, context=ctx)
-    logits = logits_from_hidden(params, cfg, jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0])
+    x, _ = prefill_hidden(params, cfg, batch.tokens, batch.lengths, batch.positions, context=ctx, kd=kd)
+    logits = logits_from_hidden(params, cfg, jnp.take_along_axis(x, batch.last[:, None, None], axis=1)[:, 0], kd=kd)
     with jax.named_scope("sampling"):
         first = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
         gen = token_logprobs(logits, first, batch.want_logprobs, top)
     with jax.named_scope("prompt_logprobs"):
         scored = batch.want_prompt[:, None] & batch.valid
-        prompt = token_logprobs(lambda: logits_from_hidden(params, cfg, x), batch.targets, scored, top)
+        prompt = token_logprobs(lambda: logits_from_hidden(params, cfg, x, kd=kd), batch.targets, scored, top)
     return first, pool.replace(layers=tuple(ctx.layers)), gen, prompt

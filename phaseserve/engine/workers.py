@@ -48,6 +48,7 @@ from phaseserve.engine.request import MAX_LOGPROBS, Limits, Sequence
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import bucket, cache_pages, chunk_groups, decode_shapes, prefill_pages, prefill_shapes
+from phaseserve.kernel_mesh import KernelDispatch
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.sharding import make_mesh, phase_devices, pool_shardings, replicated, shard_params, sharded_step
@@ -65,8 +66,8 @@ def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any
     (:func:`~phaseserve.engine.prefill_step.chunk_step`). Built from shardings only, so it also lowers for abstract
     arguments on a deviceless mesh (``jax.experimental.topologies``; ``lab.bench.tpu_compile``)."""
     rep, top = replicated(mesh), top_logprobs_k(cfg)
-    return jax.jit(sharded_step(lambda p, pool, b: chunk_step(p, cfg, pool, b, top), cfg, mesh, phase="prefill",
-                                matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
+    dispatch = KernelDispatch(mesh, matmul_impl, attn_impl, phase="prefill", log=log)  # log: the worker's table
+    return jax.jit(sharded_step(lambda p, pool, b, kd: chunk_step(p, cfg, pool, b, top, kd=kd), cfg, dispatch),
                    out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
 
 
@@ -77,9 +78,9 @@ def decode_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: An
     methods, so the class :class:`~phaseserve.cache.integrity.IntegrityTracker` itself serves for tracing) or None.
     Built from shardings only, like :func:`chunk_step_jit`."""
     rep, top = replicated(mesh), top_logprobs_k(cfg)
+    dispatch = KernelDispatch(mesh, matmul_impl, attn_impl, phase="decode", log=log)
     return jax.jit(sharded_step(
-        lambda p, pool, b, ok: decode_step(p, cfg, pool, b, ok, tracker=hooks, attn_impl=attn_impl, top=top), cfg,
-        mesh, phase="decode", matmul_impl=matmul_impl, attn_impl=attn_impl, log=log),
+        lambda p, pool, b, ok, kd: decode_step(p, cfg, pool, b, ok, tracker=hooks, kd=kd, top=top), cfg, dispatch),
         out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
 
 

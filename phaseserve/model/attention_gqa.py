@@ -8,15 +8,16 @@ from __future__ import annotations
 import jax
 
 from phaseserve.config import ModelConfig
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import GQAParams
 from phaseserve.qarrays import dense
 
 
-def project_qkv(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+def project_qkv(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *, kd: KernelDispatch = DIRECT):
     """x [B, T, D], positions i32[B, T] -> q [B, T, H, hd], k, v [B, T, KV, hd] (rotary applied)."""
     b, t, _ = x.shape
-    q, k, v = dense(x, p.wq), dense(x, p.wk), dense(x, p.wv)
+    q, k, v = dense(x, p.wq, kd), dense(x, p.wk, kd), dense(x, p.wv, kd)
     if p.bq is not None:
         q, k, v = q + p.bq.astype(x.dtype), k + p.bk.astype(x.dtype), v + p.bv.astype(x.dtype)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -28,26 +29,27 @@ def project_qkv(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Arr
     return apply_rope(q, cos, sin, cfg.rope.interleave), apply_rope(k, cos, sin, cfg.rope.interleave), v
 
 
-def output(p: GQAParams, x: jax.Array) -> jax.Array:
+def output(p: GQAParams, x: jax.Array, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """attn [B, T, H, hd] -> [B, T, D]."""
     b, t = x.shape[:2]
-    return dense(x.reshape(b, t, -1), p.wo)
+    return dense(x.reshape(b, t, -1), p.wo, kd)
 
 
 def forward(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None,
-            context=None):
+            context=None, *, kd: KernelDispatch = DIRECT):
     """Causal self-attention. Returns (out [B, T, D], (k, v) to cache). ``context((k, v)) -> (k, v)`` [B, S, KV, hd]
     (None: the tokens themselves) gives the keys to attend over, key s at position s (a prefill chunk: the request's
     cached KV with the chunk's own written in); ``lengths`` then counts the valid keys."""
-    q, k, v = project_qkv(p, cfg, x, positions)
+    q, k, v = project_qkv(p, cfg, x, positions, kd=kd)
     kc, vc = (k, v) if context is None else context((k, v))
     with jax.named_scope("attention"):
-        out = attention(q, kc, vc, positions, lengths, softmax_scale(cfg))
-    return output(p, out), (k, v)
+        out = attention(q, kc, vc, positions, lengths, softmax_scale(cfg), kd=kd)
+    return output(p, out, kd=kd), (k, v)
 
 
-def decode_queries(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+def decode_queries(p: GQAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *,
+                   kd: KernelDispatch = DIRECT):
     """One token per row: x [B, D], positions i32[B] -> q [B, H, hd], k, v [B, KV, hd]."""
-    q, k, v = project_qkv(p, cfg, x[:, None], positions[:, None])
+    q, k, v = project_qkv(p, cfg, x[:, None], positions[:, None], kd=kd)
     return q[:, 0], k[:, 0], v[:, 0]
 

@@ -21,30 +21,32 @@ import jax
 import jax.numpy as jnp
 
 from phaseserve.config import ModelConfig
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model import indexer
 from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import MLAParams
 from phaseserve.qarrays import dense, dequantize
 
 
-def queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+def queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *, kd: KernelDispatch = DIRECT):
     """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (rotary applied), and the query latent
     ``q_resid`` [B, T, q_lora] (None without q LoRA) that the DSA indexer reads."""
     b, t, _ = x.shape
     if p.wq is not None:
-        q_resid, q = None, dense(x, p.wq)
+        q_resid, q = None, dense(x, p.wq, kd)
     else:
-        q_resid = rms_norm(dense(x, p.wq_a), p.q_a_norm, cfg.mla_norm_eps)
-        q = dense(q_resid, p.wq_b)
+        q_resid = rms_norm(dense(x, p.wq_a, kd), p.q_a_norm, cfg.mla_norm_eps)
+        q = dense(q_resid, p.wq_b, kd)
     q = q.reshape(b, t, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
     return q_nope, apply_rope(q_rope, cos, sin, cfg.rope.interleave), q_resid
 
 
-def latents(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+def latents(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *,
+            kd: KernelDispatch = DIRECT) -> jax.Array:
     """x [B, T, D] -> cacheable latent [B, T, kv_lora + rope] = [norm(c_kv), rope(k_rope)]."""
-    ckv = dense(x, p.wkv_a)
+    ckv = dense(x, p.wkv_a, kd)
     c, k_rope = ckv[..., : cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
     c = rms_norm(c, p.kv_a_norm, cfg.mla_norm_eps)
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
@@ -58,14 +60,14 @@ def _kv_b(p: MLAParams, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
 
-def output(p: MLAParams, x: jax.Array) -> jax.Array:
+def output(p: MLAParams, x: jax.Array, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """per-head values [B, T, H, v] -> [B, T, D]."""
     b, t = x.shape[:2]
-    return dense(x.reshape(b, t, -1), p.wo)
+    return dense(x.reshape(b, t, -1), p.wo, kd)
 
 
 def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, lengths: jax.Array | None,
-            selection: jax.Array | None = None, context=None):
+            selection: jax.Array | None = None, context=None, *, kd: KernelDispatch = DIRECT):
     """Causal attention: x [B, T, D], positions i32[B, T], lengths i32[B] | None -> (out [B, T, D], KV to cache,
     DSA selection i32[B, T, index_topk] or None).
 
@@ -76,10 +78,10 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     (``indexer_types`` "shared") reuses ``selection`` from the layer before. ``context(kv) -> kv over [B, S, ...]``
     (None: the tokens themselves) gives the keys to attend over, key s at position s (a prefill chunk over the
     request's cached KV); ``lengths`` then counts valid keys."""
-    q_nope, q_rope, q_resid = queries(p, cfg, x, positions)
-    kv = lat = latents(p, cfg, x, positions)
+    q_nope, q_rope, q_resid = queries(p, cfg, x, positions, kd=kd)
+    kv = lat = latents(p, cfg, x, positions, kd=kd)
     if p.indexer is not None:
-        kv = (lat, indexer.index_keys(p.indexer, cfg, x, positions))
+        kv = (lat, indexer.index_keys(p.indexer, cfg, x, positions, kd=kd))
     ctx = kv if context is None else context(kv)
     ctx_lat, ctx_index = ctx if isinstance(ctx, tuple) else (ctx, None)
     c, k_rope = ctx_lat[..., : cfg.kv_lora_rank], ctx_lat[..., cfg.kv_lora_rank:]
@@ -87,7 +89,7 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     if cfg.index_topk is not None and ctx_lat.shape[1] > cfg.index_topk:
         index = None
         if p.indexer is not None:
-            q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x, positions)
+            q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x, positions, kd=kd)
             index = (q_idx, w, ctx_index)
         elif selection is None:
             raise ValueError("a DSA layer without indexer weights ('shared') needs the previous layer's selection")
@@ -96,38 +98,39 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
             o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx_lat, positions, lengths,
                                                       softmax_scale(cfg), index=index, selection=selection)
         v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
-        return output(p, v), kv, selection
+        return output(p, v, kd=kd), kv, selection
     k_nope = jnp.einsum("btr,rhn->bthn", c, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
     v = jnp.einsum("btr,rhv->bthv", c, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
     with jax.named_scope("attention"):
-        out = attention(q, k, v, positions, lengths, softmax_scale(cfg))
-    return output(p, out), kv, None
+        out = attention(q, k, v, positions, lengths, softmax_scale(cfg), kd=kd)
+    return output(p, out, kd=kd), kv, None
 
 
-def absorbed_queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+def absorbed_queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *,
+                     kd: KernelDispatch = DIRECT):
     """One token per row: x [B, D], positions i32[B] -> (q, kv) for the decode step's ``attend``.
 
     q is ``(q_latent [B, H, r], q_rope [B, H, rope])`` and kv the latent [B, r + rope]; on GLM-5 (DSA) q is an
     :class:`phaseserve.model.indexer.DSAQuery` and, on a layer with its own indexer, kv is ``(latent, index key
     [B, index_head_dim])``."""
-    q_nope, q_rope, q_resid = queries(p, cfg, x[:, None], positions[:, None])
+    q_nope, q_rope, q_resid = queries(p, cfg, x[:, None], positions[:, None], kd=kd)
     w_uk, _ = _kv_b(p, cfg, x.dtype)
     q_lat = jnp.einsum("bhn,rhn->bhr", q_nope[:, 0], w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-    lat = latents(p, cfg, x[:, None], positions[:, None])[:, 0]
+    lat = latents(p, cfg, x[:, None], positions[:, None], kd=kd)[:, 0]
     if cfg.index_topk is None:
         return (q_lat, q_rope[:, 0]), lat
     if p.indexer is None:  # "shared": reuses the previous layer's selection
         return indexer.DSAQuery(q_lat, q_rope[:, 0], None, None, cfg.index_topk), lat
-    q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x[:, None], positions[:, None])
-    k_idx = indexer.index_keys(p.indexer, cfg, x[:, None], positions[:, None])[:, 0]
+    q_idx, w = indexer.index_queries(p.indexer, cfg, q_resid, x[:, None], positions[:, None], kd=kd)
+    k_idx = indexer.index_keys(p.indexer, cfg, x[:, None], positions[:, None], kd=kd)[:, 0]
     return indexer.DSAQuery(q_lat, q_rope[:, 0], q_idx[:, 0], w[:, 0], cfg.index_topk), (lat, k_idx)
 
 
-def absorbed_output(p: MLAParams, cfg: ModelConfig, o_latent: jax.Array) -> jax.Array:
+def absorbed_output(p: MLAParams, cfg: ModelConfig, o_latent: jax.Array, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """o_latent [B, H, r] -> [B, D] through W_uv and the output projection."""
     _, w_uv = _kv_b(p, cfg, o_latent.dtype)
     v = jnp.einsum("bhr,rhv->bhv", o_latent, w_uv, preferred_element_type=jnp.float32).astype(o_latent.dtype)
-    return dense(v.reshape(v.shape[0], -1), p.wo)
+    return dense(v.reshape(v.shape[0], -1), p.wo, kd)

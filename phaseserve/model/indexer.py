@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from phaseserve.config import ModelConfig
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model.layers import apply_rope, rope_cos_sin
 from phaseserve.model.params import IndexerParams
 from phaseserve.qarrays import dense
@@ -61,20 +62,21 @@ def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float = LAYER_NORM
     return (y * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
-def index_queries(p: IndexerParams, cfg: ModelConfig, q_resid: jax.Array, x: jax.Array, positions: jax.Array,
-                  ) -> tuple[jax.Array, jax.Array]:
+def index_queries(p: IndexerParams, cfg: ModelConfig, q_resid: jax.Array, x: jax.Array, positions: jax.Array, *,
+                  kd: KernelDispatch = DIRECT) -> tuple[jax.Array, jax.Array]:
     """q_resid [B, T, q_lora], x [B, T, D], positions i32[B, T] -> (q [B, T, Hi, d] roped, w f32[B, T, Hi])."""
     b, t, _ = x.shape
-    q = dense(q_resid, p.wq_b).reshape(b, t, cfg.index_n_heads, cfg.index_head_dim)
+    q = dense(q_resid, p.wq_b, kd).reshape(b, t, cfg.index_n_heads, cfg.index_head_dim)
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
     q = apply_rope(q, cos, sin, interleave=True)
-    w = dense(x, p.weights_proj).astype(jnp.float32) * (cfg.index_n_heads ** -0.5)
+    w = dense(x, p.weights_proj, kd).astype(jnp.float32) * (cfg.index_n_heads ** -0.5)
     return q, w
 
 
-def index_keys(p: IndexerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+def index_keys(p: IndexerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *,
+               kd: KernelDispatch = DIRECT) -> jax.Array:
     """x [B, T, D], positions i32[B, T] -> index keys [B, T, d] (what the decode cache stores per token and layer)."""
-    k = layer_norm(dense(x, p.wk), p.k_norm_w, p.k_norm_b)
+    k = layer_norm(dense(x, p.wk, kd), p.k_norm_w, p.k_norm_b)
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
     return apply_rope(k[:, :, None, :], cos, sin, interleave=True)[:, :, 0]
 

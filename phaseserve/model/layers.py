@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from phaseserve.config import ModelConfig, RopeConfig
-from phaseserve.kernel_mesh import flash_prefill  # shard_map'd on the prefill mesh inside the engine's step
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch, flash_prefill  # shard_map'd on the step's mesh
 from phaseserve.model.params import MLPParams
 from phaseserve.qarrays import dense
 
@@ -109,17 +109,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -
     return jnp.concatenate([out, xp], axis=-1) if xp.shape[-1] else out
 
 
-def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
+def mlp(p: MLPParams, x: jax.Array, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """SwiGLU: x [..., D] -> [..., D]."""
-    return dense(jax.nn.silu(dense(x, p.w_gate)) * dense(x, p.w_up), p.w_down)
+    return dense(jax.nn.silu(dense(x, p.w_gate, kd)) * dense(x, p.w_up, kd), p.w_down, kd)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, lengths: jax.Array | None,
-              scale: float) -> jax.Array:
+              scale: float, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """Causal attention with memory linear in T (flash prefill; the blockwise XLA reference on the CPU).
 
     q [B, T, H, dk], k [B, S, KV, dk], v [B, S, KV, dv], q_positions i32[B, T], lengths i32[B] | None -> [B, T, H, dv].
     Key s is visible to the query at position p when s <= p and s < lengths[b]; a query that sees no key
-    (padding) gives zeros. GQA when KV < H; MLA's expanded form is KV == H with dk != dv.
+    (padding) gives zeros. GQA when KV < H; MLA's expanded form is KV == H with dk != dv. ``kd.attn_impl`` picks
+    the implementation (``phaseserve.kernel_mesh``).
     """
-    return flash_prefill(q, k, v, q_positions, lengths, sm_scale=scale)
+    return flash_prefill(kd, q, k, v, q_positions, lengths, sm_scale=scale)

@@ -8,8 +8,8 @@ Routing (``route``):
   top-2 sums), weights are the un-biased scores, optionally renormalised, times ``routed_scaling_factor``.
 
 Dispatch (how the routed tokens reach their experts), one function per strategy, each
-``(p, cfg, x [N, D], weights f32[N, k], idx i32[N, k]) -> (out [N, D], dropped fraction f32[])``;
-:func:`auto_experts` (serving, the default) picks one of the exact ones by token count and backend
+``(p, cfg, x [N, D], weights f32[N, k], idx i32[N, k]) -> (out [N, D], dropped fraction f32[])``; by default
+(serving) :func:`moe` picks one of the exact ones by backend and the step's kernel dispatch
 (:func:`choose_dispatch`):
 
 - :func:`ragged_experts` (accelerators): the N*k (token, expert) assignments are sorted by expert and run through
@@ -28,6 +28,7 @@ assignments) and the dropped fraction, which training uses for auxiliary-loss-fr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from phaseserve.config import ModelConfig
-from phaseserve.kernel_mesh import matmul_kernels_requested
+from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model.layers import mlp
 from phaseserve.model.params import MoEParams
 from phaseserve.qarrays import dequantize, grouped_dense, is_quantized
@@ -68,16 +69,17 @@ def route(p: MoEParams, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.
     return w * cfg.routed_scaling_factor, idx
 
 
-def ragged_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
-                   ) -> tuple[jax.Array, jax.Array]:
-    """Sorted ragged dispatch. x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
+def ragged_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array, *,
+                   kd: KernelDispatch = DIRECT) -> tuple[jax.Array, jax.Array]:
+    """Sorted ragged dispatch. x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0); the grouped matmuls
+    run per ``kd`` (``phaseserve.kernel_mesh``)."""
     n, k = idx.shape
     order, _, counts, _, _ = _sorted(idx, cfg.num_experts)
     token = order // k
     group_sizes = counts.astype(jnp.int32)
     xs = x[token]
-    h = jax.nn.silu(grouped_dense(xs, p.w_gate, group_sizes)) * grouped_dense(xs, p.w_up, group_sizes)
-    ys = grouped_dense(h, p.w_down, group_sizes).astype(jnp.float32)
+    h = jax.nn.silu(grouped_dense(xs, p.w_gate, group_sizes, kd)) * grouped_dense(xs, p.w_up, group_sizes, kd)
+    ys = grouped_dense(h, p.w_down, group_sizes, kd).astype(jnp.float32)
     ys = ys * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(ys, token, num_segments=n).astype(x.dtype), jnp.float32(0)
 
@@ -239,35 +241,39 @@ def capacity_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.
 Dispatch = Callable[[MoEParams, ModelConfig, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def choose_dispatch(num_tokens: int, cfg: ModelConfig, backend: str | None = None) -> Dispatch:
-    """The exact dispatch for ``num_tokens`` routed tokens on ``backend`` (default: JAX's).
+def choose_dispatch(num_tokens: int, cfg: ModelConfig, backend: str | None = None, *,
+                    kd: KernelDispatch = DIRECT) -> Dispatch:
+    """The exact dispatch for ``num_tokens`` routed tokens on ``backend`` (default: JAX's), in a step whose kernel
+    calls run per ``kd``.
 
-    Accelerators (or the Pallas matmul kernels requested): :func:`ragged_experts` (the grouped kernels:
-    ``ragged_dot``, the INT4 grouped kernel). XLA:CPU, where ``ragged_dot`` copies every expert's weights and runs
-    ~10x slower than :func:`blocked_experts` at prefill and decode shapes: :func:`blocked_experts` (MoE layer ms on
-    the ~15M shape in ``benchmarks/engine/profile``)."""
-    if (backend or jax.default_backend()) != "cpu" or matmul_kernels_requested():  # matmul_impl="pallas": kernels
-        return ragged_experts
+    Accelerators (or ``kd.matmul_impl`` resolving to the Pallas kernels): :func:`ragged_experts` (the grouped
+    kernels: ``ragged_dot``, the INT4 grouped kernel), its matmuls run per ``kd``. XLA:CPU, where ``ragged_dot``
+    copies every expert's weights and runs ~10x slower than :func:`blocked_experts` at prefill and decode shapes:
+    :func:`blocked_experts` (MoE layer ms on the ~15M shape in ``benchmarks/engine/profile``)."""
+    if (backend or jax.default_backend()) != "cpu" or kd.matmul_kernels:  # matmul_impl="pallas": the kernels
+        return functools.partial(ragged_experts, kd=kd)
     return blocked_experts
 
 
 def auto_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
                  ) -> tuple[jax.Array, jax.Array]:
-    """The dispatch :func:`choose_dispatch` picks for x's token count (static at trace time); the default.
-    x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
+    """The dispatch :func:`choose_dispatch` picks for x's token count (static at trace time), the kernels called
+    directly (``kernel_mesh.DIRECT``). x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0)."""
     return choose_dispatch(x.shape[0], cfg)(p, cfg, x, weights, idx)
 
 
-def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch = auto_experts,
-        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def moe(p: MoEParams, cfg: ModelConfig, x: jax.Array, dispatch: Dispatch | None = None, *,
+        kd: KernelDispatch = DIRECT) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [..., D] -> (routed plus shared experts [..., D], {"load": f32[E] (fractions of the assignments),
-    "dropped": f32[] (fraction of assignments the dispatch dropped)})."""
+    "dropped": f32[] (fraction of assignments the dispatch dropped)}). ``dispatch`` None (serving):
+    :func:`choose_dispatch`'s; the shared experts' matmuls run per ``kd``."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
+    dispatch = choose_dispatch(xf.shape[0], cfg, kd=kd) if dispatch is None else dispatch
     with jax.named_scope("moe_dispatch"):
         w, idx = route(p, cfg, xf)
         out, dropped = dispatch(p, cfg, xf, w, idx)
     if p.shared is not None:
-        out = out + mlp(p.shared, xf)
+        out = out + mlp(p.shared, xf, kd=kd)
     load = jnp.bincount(idx.reshape(-1), length=cfg.num_experts) / idx.size
     return out.reshape(shape), {"load": load, "dropped": dropped}

@@ -44,14 +44,15 @@ def _dequantize(a: ActOrderInt4Weight, dtype) -> jax.Array:
     return jnp.take_along_axis(dequantize_int4(a.w, dtype), inverse[..., None], axis=-2)
 
 
-def _dense(x: jax.Array, a: ActOrderInt4Weight) -> jax.Array:
-    return int4_matmul(jnp.take(x, a.perm, axis=-1), a.w)  # x [..., K], perm [K]
+def _dense(x: jax.Array, a: ActOrderInt4Weight, **kernel_kw) -> jax.Array:
+    """x [..., K], perm [K]; ``kernel_kw`` (impl, provenance) go to the INT4 kernel."""
+    return int4_matmul(jnp.take(x, a.perm, axis=-1), a.w, **kernel_kw)
 
 
-def _grouped(x: jax.Array, a: ActOrderInt4Weight, group_sizes: jax.Array) -> jax.Array:
+def _grouped(x: jax.Array, a: ActOrderInt4Weight, group_sizes: jax.Array, **kernel_kw) -> jax.Array:
     """x [M, K] sorted by expert, perm [E, K]: each row gathered by its own expert's permutation."""
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
-    return int4_grouped_matmul(jnp.take_along_axis(x, a.perm[expert], axis=-1), a.w, group_sizes)
+    return int4_grouped_matmul(jnp.take_along_axis(x, a.perm[expert], axis=-1), a.w, group_sizes, **kernel_kw)
 
 
 register(ActOrderInt4Weight, QuantOps(dense=_dense, grouped_dense=_grouped, dequantize=_dequantize))

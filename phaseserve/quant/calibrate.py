@@ -101,7 +101,8 @@ class _Tap:
 
 
 jax.tree_util.register_pytree_node(_Tap, lambda t: ((t.w,), t.path), lambda path, ch: _Tap(ch[0], path))
-register(_Tap, QuantOps(dense=lambda x, t: t.matmul(x), grouped_dense=lambda x, t, gs: t.grouped_matmul(x, gs),
+register(_Tap, QuantOps(dense=lambda x, t, **_: t.matmul(x),  # calibration runs the plain product (kernel_mesh.DIRECT)
+                        grouped_dense=lambda x, t, gs, **_: t.grouped_matmul(x, gs),
                         dequantize=lambda t, dtype: t.dequantize(dtype)))
 
 

@@ -45,17 +45,16 @@ def test_fallback_is_counted_and_logged_with_its_reason(caplog):
     rng = np.random.default_rng(1)
     w = quantize_int4(jnp.asarray(rng.standard_normal((512, 128)), jnp.float32), 128)  # TPU: K/2 % (8 * 64) != 0
     x = jnp.asarray(rng.standard_normal((3, 512)), jnp.float32)
-    before = dict(common.PROVENANCE)
+    new = common.Provenance()  # the caller's sink
     with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
-        calls = custom_calls(functools.partial(int4_matmul, w=w, impl="pallas"), "tpu", x)  # from this CPU
+        calls = custom_calls(functools.partial(int4_matmul, w=w, impl="pallas", provenance=new), "tpu", x)  # this CPU
     assert "tpu_custom_call" not in calls  # the refused shape is not built as a Mosaic kernel
-    new = {k: v - before.get(k, 0) for k, v in common.PROVENANCE.items() if v != before.get(k, 0)}
     fallbacks = [(k, n) for k, n in new.items() if k[2] == "fallback"]
     ((op, platform, impl, reason), count), = fallbacks
     assert (op, platform, impl, count) == ("int4_matmul", "tpu", "fallback", 1) and "cannot tile" in reason
     assert new[("int4_matmul", "cuda", "pallas", "")] == 1  # the Triton body takes this shape
     assert any("int4_matmul" in r.message and "cannot tile" in r.message for r in caplog.records)
-    rows = [r for r in common.provenance() if r["impl"] == "fallback" and r["op"] == "int4_matmul"]
+    rows = [r for r in common.provenance_rows(new) if r["impl"] == "fallback" and r["op"] == "int4_matmul"]
     assert rows and rows[0]["reason"] == reason
 
 

@@ -77,10 +77,11 @@ def _decode_step(eng: ps.Engine):
 
 
 def _prefill_step(eng: ps.Engine, cfg: ModelConfig):
-    """The causal prefill pass on the prefill mesh, traced in the prefill worker's kernel scope."""
-    step = jax.jit(sharded_step(lambda p, tokens, lengths: transformer.prefill(p, cfg, tokens, lengths,
-                                                                              logits_at=lengths - 1),
-                                cfg, eng.prefill_mesh, phase="prefill", matmul_impl="pallas", attn_impl="pallas"))
+    """The causal prefill pass on the prefill mesh, with the prefill worker's kernel dispatch."""
+    kd = kernel_mesh.KernelDispatch(eng.prefill_mesh, matmul_impl="pallas", attn_impl="pallas", phase="prefill")
+    step = jax.jit(sharded_step(lambda p, tokens, lengths, kd: transformer.prefill(p, cfg, tokens, lengths,
+                                                                                  logits_at=lengths - 1, kd=kd),
+                                cfg, kd))
     return step, (_abstract(eng.prefill_params), np.zeros((B, 16), np.int32), np.full(B, 9, np.int32))
 
 
@@ -120,7 +121,7 @@ def test_sharded_steps_export_with_per_device_kernel_operands(arch, platform):
 
 def test_without_shard_map_the_kernels_take_gathered_operands(monkeypatch):
     eng = _engine(GQA)
-    monkeypatch.setattr(kernel_mesh.KernelScope, "sharded", lambda self, impl: False)  # kernels left to GSPMD
+    monkeypatch.setattr(kernel_mesh.KernelDispatch, "sharded", lambda self, impl: False)  # kernels left to GSPMD
     fn, args = _decode_step(eng)
     gathered = {shape for shape, _ in _gathered_kernel_operands(fn, args, "cuda",
                                                                 _sharded_globals(eng.decode_params, eng.pool))}
@@ -132,7 +133,7 @@ def test_without_shard_map_the_kernels_take_gathered_operands(monkeypatch):
 @pytest.mark.parametrize("shard_map", [True, False])
 def test_compiled_sharded_decode_step_gathers_no_weight_or_pool(shard_map, monkeypatch):
     if not shard_map:  # the negative control: kernels left to GSPMD get their weights and the pool gathered
-        monkeypatch.setattr(kernel_mesh.KernelScope, "sharded", lambda self, impl: False)
+        monkeypatch.setattr(kernel_mesh.KernelDispatch, "sharded", lambda self, impl: False)
     eng = _engine(GQA)
     fn, args = _decode_step(eng)
     hlo = fn.lower(*args).compile().as_text()

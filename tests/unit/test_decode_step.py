@@ -106,8 +106,9 @@ def test_blocked_experts_int4_weights():
 def test_choose_dispatch():
     for n in (1, 8, 4096):
         assert M.choose_dispatch(n, MLA, "cpu") is M.blocked_experts
-    assert M.choose_dispatch(1, MLA, "gpu") is M.ragged_experts
-    assert M.choose_dispatch(1, MLA, "tpu") is M.ragged_experts
+    for backend in ("gpu", "tpu"):  # the ragged dispatch, its grouped matmuls run per the step's kernel dispatch
+        d = M.choose_dispatch(1, MLA, backend)
+        assert d.func is M.ragged_experts and d.keywords == {"kd": M.DIRECT}
     assert [M.block_rows(m, 16) for m in (2, 64, 8192)] == [4, 8, 128]
     assert [M.capacity_rows(m, 16) for m in (64, 255, 256, 1024, 8192)] == [0, 0, 24, 80, 640]
 

@@ -18,6 +18,7 @@ from phaseserve.cache import paged
 from phaseserve.cache.attend import PagedAttend
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.config import ModelConfig
+from phaseserve.kernel_mesh import KernelDispatch
 from phaseserve.model.indexer import DSAQuery
 from phaseserve.presets import preset
 from tests.unit import test_faults as tf
@@ -28,7 +29,8 @@ DSA = tf.MLA.replace(architecture="GlmMoeDsaForCausalLM", index_topk=4, index_n_
 
 def toy_dsa_step(pool, q, new_kv, page_table, lengths, row_mask, ok, *, tracker):
     """``faults.toy_decode_step`` with DSA queries: PagedAttend per layer (reference kernels)."""
-    attend = PagedAttend(page_table, lengths, row_mask, ok, tracker=tracker, sm_scale=0.25, impl="reference")
+    attend = PagedAttend(page_table, lengths, row_mask, ok, tracker=tracker, sm_scale=0.25,
+                         kd=KernelDispatch(attn_impl="reference"))
     layers, outs = zip(*(attend(layer, ql, kvl) for layer, ql, kvl in zip(pool.layers, q, new_kv, strict=True)),
                        strict=True)
     return pool.replace(layers=tuple(layers)), jnp.stack(outs, axis=1), attend.finite
