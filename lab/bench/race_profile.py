@@ -137,7 +137,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     from lab.bench import vllm_race as vr
     from lab.bench.schema import setup_jax
     from phaseserve.server.app import create_app
-    from phaseserve.server.launch import build_backend, compose, start_in_thread, tokenizer_of
+    from phaseserve.server.launch import build_backend, compose, start_in_thread, tokenizer_of, warm_up
 
     overrides = [f"model.checkpoint={ckpt}", f"model.name={name}", f"experiment.model_name={name}",
                  *spec.phaseserve_overrides]
@@ -148,7 +148,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     setup_jax(cfg)
     tok = tokenizer_of(cfg)
     backend = build_backend(cfg)
-    backend.engine.warm_handoff()
+    warm_up([backend], str(cfg.experiment.get("warmup", "auto")))  # as the server does
     app = create_app(backend, tok, name, stream_interval=int(cfg.experiment.stream_interval))
     server, thread, url = start_in_thread(app, port=spec.port_phaseserve, keep_alive_s=600.0)
     timers, finished, levels = Timers(), [], {}
