@@ -42,8 +42,8 @@ class ShapeCache:
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"phaseserve-compile-{name}")
                       if background else None)
         self.stats: collections.Counter = collections.Counter()
-        self.errors: list[tuple[Key, BaseException]] = []  # background compiles that raised (the key compiles in
-        # place when next met)
+        self.errors: dict[Key, BaseException] = {}  # background compiles that raised: the key then compiles in the
+        # caller when next met (so its error reaches the request that needs it), never again in the background
 
     def ready(self, key: Key) -> bool:
         return key in self._ready
@@ -58,7 +58,7 @@ class ShapeCache:
         """The shape to run ``key``'s batch at: ``key`` when ready (or when nothing covers it: the caller compiles
         it), else its cover, with ``key`` queued for the background thread (``abstract(key)``: the step's
         arguments as ``jax.ShapeDtypeStruct`` trees, built now, in the caller)."""
-        if key in self._ready or self._pool is None:
+        if key in self._ready or key in self.errors or self._pool is None:
             return key
         cover = self.cover(key)
         if cover is None:
@@ -75,7 +75,7 @@ class ShapeCache:
         try:
             exe = self.step.lower(*args).compile()
         except BaseException as e:  # noqa: BLE001 (recorded; the caller compiles the key in place when next met)
-            self.errors.append((key, e))
+            self.errors[key] = e
         else:
             self._ready.setdefault(key, exe)
             self.stats["background"] += 1

@@ -73,3 +73,27 @@ def test_shape_cache_picks_the_smallest_ready_cover():
     assert cache.cover((2, 32, 8)) == min([(8, 32, 16), (4, 32, 32)], key=lambda k: (np.prod(k), k))
     assert cache.cover((32, 16, 4)) is None and cache.cover((1, 16, 4)) == (16, 16, 4)
     assert cache.choose((2, 32, 8), lambda k: ()) == (2, 32, 8)  # no background thread: compiled in place
+
+
+def test_a_failed_background_compile_is_recorded_and_the_shape_then_compiles_in_the_caller():
+    class Step:
+        def __init__(self):
+            self.args = None
+
+        def lower(self, *args):
+            self.args = args
+            return self
+
+        def compile(self):
+            if self.args == ("abstract",):
+                raise RuntimeError("no compile for you")
+            return "exe"
+
+    cache = ShapeCache(Step(), "t")
+    cache.executable((8, 8), ("concrete",))
+    assert cache.choose((4, 4), lambda k: ("abstract",)) == (8, 8)  # the cover; (4, 4) queued
+    cache.wait()
+    assert isinstance(cache.errors[(4, 4)], RuntimeError) and not cache.ready((4, 4))
+    assert cache.choose((4, 4), lambda k: ("abstract",)) == (4, 4)  # not queued again: compiled in the caller
+    assert cache.executable((4, 4), ("concrete",)) == "exe" and cache.stats["inline"] == 2
+    cache.close()
