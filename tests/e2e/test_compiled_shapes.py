@@ -51,10 +51,15 @@ def test_without_a_cover_the_shape_compiles_in_place_and_warm_up_never_covers(se
     _, cfg, params = setup
     engine = ps.Engine(cfg, params, serve_config("colocated", num_pages=64, page_size=4, max_batch=2,
                                                  max_prefill_tokens=32))
-    engine.generate(_reqs(cfg, [5], 2, seed=4))  # nothing compiled before: in place
-    assert engine.prefill.steps.stats["inline"] >= 1 and engine.prefill.steps.stats["cover"] == 0
-    engine.warm_up()
-    for steps in (engine.prefill.steps, engine.decode.steps):
+    engine.generate(_reqs(cfg, [20], 2, seed=4))  # nothing compiled before: in place
+    pre, dec = engine.prefill.steps, engine.decode.steps
+    assert pre.stats["inline"] >= 1 and pre.stats["cover"] == 0
+    assert not pre.ready((1, 16, 4)) and not dec.ready((1, 4))
+    assert pre.cover((1, 16, 4)) is not None and dec.cover((1, 4)) is not None  # a request would run covered
+    engine.prefill.warm(1, 16, 4)  # what Engine.warm_up calls: smaller than a compiled shape, yet compiled exactly
+    engine.decode.warm(1, 4)
+    assert pre.ready((1, 16, 4)) and dec.ready((1, 4))
+    for steps in (pre, dec):
         assert steps.stats["cover"] == 0 and steps.stats["background"] == 0
 
 
