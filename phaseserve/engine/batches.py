@@ -88,6 +88,11 @@ def pad_rows(a: np.ndarray, rows: int, cols: int | None = None, fill: float | bo
     return np.pad(a, widths, constant_values=fill)
 
 
+def pad_sampling(batch: ChunkBatch | DecodeBatch, b: int) -> dict[str, np.ndarray]:
+    """A batch's per-row sampling fields padded to ``b`` rows with :func:`sampling_rows`' padding-row values."""
+    return {k: pad_rows(getattr(batch, k), b, fill=fill[0]) for k, fill in sampling_rows([], 1).items()}
+
+
 def pad_chunk_batch(batch: ChunkBatch, b: int, c: int, w: int) -> ChunkBatch:
     """``batch`` padded to ``b`` rows, ``c`` tokens and ``w`` pages (padding rows and tokens are not valid; the
     valid rows' results are unchanged): to run it on a larger compiled shape
@@ -97,9 +102,7 @@ def pad_chunk_batch(batch: ChunkBatch, b: int, c: int, w: int) -> ChunkBatch:
         tokens=pad_rows(batch.tokens, b, c), positions=starts[:, None] + np.arange(c, dtype=np.int32),
         valid=pad_rows(batch.valid, b, c, False), lengths=pad_rows(batch.lengths, b), last=pad_rows(batch.last, b),
         page_table=pad_rows(batch.page_table, b, w), targets=pad_rows(batch.targets, b, c, -1),
-        want_prompt=pad_rows(batch.want_prompt, b, fill=False), temperature=pad_rows(batch.temperature, b),
-        top_k=pad_rows(batch.top_k, b), top_p=pad_rows(batch.top_p, b, fill=1.0), seeds=pad_rows(batch.seeds, b),
-        steps=pad_rows(batch.steps, b), want_logprobs=pad_rows(batch.want_logprobs, b, fill=False))
+        want_prompt=pad_rows(batch.want_prompt, b, fill=False), **pad_sampling(batch, b))
 
 
 def pad_decode_inputs(batch: DecodeBatch, check: tuple, b: int, w: int) -> tuple[DecodeBatch, tuple]:
@@ -108,7 +111,5 @@ def pad_decode_inputs(batch: DecodeBatch, check: tuple, b: int, w: int) -> tuple
     pt, expected, live = pad_rows(check[0], b, w), pad_rows(check[1], b, w), pad_rows(check[2], b)
     batch = batch.replace(
         tokens=pad_rows(batch.tokens, b), positions=pad_rows(batch.positions, b), page_table=pt,
-        active=pad_rows(batch.active, b, fill=False), temperature=pad_rows(batch.temperature, b),
-        top_k=pad_rows(batch.top_k, b), top_p=pad_rows(batch.top_p, b, fill=1.0), seeds=pad_rows(batch.seeds, b),
-        steps=pad_rows(batch.steps, b), want_logprobs=pad_rows(batch.want_logprobs, b, fill=False))
+        active=pad_rows(batch.active, b, fill=False), **pad_sampling(batch, b))
     return batch, (pt, expected, live)

@@ -109,4 +109,3 @@ def abstract(tree: Any) -> Any:
     holding the arrays (a donated pool may be gone by the time a background compile reads it)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)),
                         tree)
-
