@@ -343,6 +343,7 @@ class ServeConfig:
     max_prefill_tokens: int = 2048  # prompt tokens prefilled per engine step (chunked prefill budget)
     max_context: int | None = None  # prompt + output tokens; None: the model's context_length (within the budget)
     seed: int = 0
+    overlap_prefill: bool = True  # decode steps run while a launched prefill computes (False: each step waits for it)
 
     def __post_init__(self):
         _choice("ServeConfig.mode", self.mode, SERVE_MODES)
@@ -362,6 +363,8 @@ class ServeConfig:
                    f"request but CacheConfig.max_pages_per_seq={c.max_pages_per_seq} x page_size={c.page_size} holds "
                    f"{c.max_pages_per_seq * c.page_size} tokens (leave max_pages_per_seq unset to derive it)")
         _positive_int("ServeConfig.seed", self.seed, 0)
+        _check(isinstance(self.overlap_prefill, bool), f"ServeConfig.overlap_prefill must be a bool, got "
+                                                       f"{self.overlap_prefill!r}")
         for name in ("prefill_tp", "decode_tp", "decode_ep"):
             if hasattr(self.mesh, name):
                 _positive_int(f"MeshConfig.{name}", getattr(self.mesh, name))

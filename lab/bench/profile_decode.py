@@ -58,7 +58,8 @@ from phaseserve.config_hydra import repo_path
 from phaseserve.engine.decode_step import DecodeBatch, decode_step
 from phaseserve.model.params import init_params, param_count
 
-MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml"}
+MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml",
+          "race": "configs/model/race_tiny.yaml"}
 COMPONENTS = ["attention", "MoE dispatch", "dense projections", "sampling", "page writes", "integrity", "rest"]
 SCOPES = {"attention": "attention", "moe_dispatch": "MoE dispatch", "sampling": "sampling",
           "page_write": "page writes", "integrity": "integrity"}

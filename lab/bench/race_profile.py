@@ -5,14 +5,16 @@ The server is built as ``python -m phaseserve.server`` builds it (``configs/serv
 ``phaseserve_overrides`` and the generated checkpoint) and served by uvicorn in a thread of this process; ``vllm
 bench serve`` (its own process) drives it exactly as in the comparison. :class:`Timers` wraps, on the live instances
 only (no library code changes), the engine loop's phases: draining the HTTP inbox (``drain``, which includes the
-loop's blocking wait while idle), ``schedule`` and ``plan_chunks`` (the scheduler), the prefill device call
-(``prefill.run``: padding to a bucket, the jitted forward, the first token back to the host) and the handoff of its
-KV to the decode pool (``handoff``), the decode step (``decode.step``: building the batch, the jitted step, the
-tokens back to the host), the rest of ``Engine.step`` (emitting tokens, finishing requests), handing tokens to the
-HTTP handlers (``deliver``) and the ``/metrics`` gauges (``on_step``). Per level it reports each phase's
-milliseconds per engine step and its share of the loop thread's wall time, the CPU seconds of the loop thread, of
-uvicorn's thread and of every other thread (XLA's pools), and per request the wait in the inbox (received ->
-arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk).
+loop's blocking wait while idle), ``schedule`` and ``plan_chunks`` (the scheduler), the prefill launch
+(``prefill.launch``: padding to a bucket, dispatching the jitted forward to the prefill device), its collection
+(``prefill.collect``: the wait for its result where the step had to wait, the first tokens back to the host, the
+bookkeeping; its calls that collected nothing count toward the time but not the p50) and the handoff of its KV to the
+decode pool inside it (``handoff``, reported apart from ``prefill.collect``), the decode step (``decode.step``: building
+the batch, the jitted step, the tokens back to the host), the rest of ``Engine.step`` (emitting tokens, finishing
+requests), handing tokens to the HTTP handlers (``deliver``) and the ``/metrics`` gauges (``on_step``). Per level it
+reports each phase's milliseconds per engine step and its share of the loop thread's wall time, the CPU seconds of the
+loop thread, of uvicorn's thread and of every other thread (XLA's pools), and per request the wait in the inbox
+(received -> arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from hydra.core.global_hydra import GlobalHydra
 from lab.bench import report as rp
 from lab.bench.http_load import thread_cpu_s
 
-PHASES = ("drain", "schedule", "plan_chunks", "prefill.run", "handoff", "decode.step", "deliver", "on_step")
+PHASES = ("drain", "schedule", "plan_chunks", "prefill.launch", "prefill.collect", "handoff", "decode.step", "deliver",
+          "on_step")
 
 
 class Timers:
@@ -41,18 +44,21 @@ class Timers:
         self.calls: dict[str, int] = {}
         self.durations: dict[str, list[float]] = {}
         self.rows = 0  # decode rows over every decode step
-        self.events: list[tuple[str, float, float]] = []  # (phase, start, seconds) of every timed call
+        self.events: list[tuple[str, float, float, bool]] = []  # (phase, start, seconds, in the p50) per call
 
-    def wrap(self, obj: Any, attr: str, name: str) -> None:
+    def wrap(self, obj: Any, attr: str, name: str, counts: Any = None) -> None:
+        """Time ``obj.attr`` as phase ``name``; ``counts(result)`` false: the call's time counts, not its duration
+        in the phase's p50."""
         fn = getattr(obj, attr)
 
         @functools.wraps(fn)
         def timed(*a, **kw):
-            t0 = time.perf_counter()
+            t0, out = time.perf_counter(), None
             try:
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
+                return out
             finally:
-                self.events.append((name, t0, time.perf_counter() - t0))
+                self.events.append((name, t0, time.perf_counter() - t0, counts is None or bool(counts(out))))
 
         setattr(obj, attr, timed)
 
@@ -63,13 +69,14 @@ class Timers:
         """Totals, calls and durations of the calls that overlap ``[start, end]``, each total cut to it (the idle
         wait before the first request and after the last is not the server's time)."""
         self.seconds, self.calls, self.durations = {}, {}, {}
-        for name, t0, dt in self.events:
+        for name, t0, dt, counted in self.events:
             a, b = max(t0, start), min(t0 + dt, end)
             if b <= a and not start <= t0 <= end:
                 continue
             self.seconds[name] = self.seconds.get(name, 0.0) + max(b - a, 0.0)
             self.calls[name] = self.calls.get(name, 0) + 1
-            self.durations.setdefault(name, []).append(dt)
+            if counted:
+                self.durations.setdefault(name, []).append(dt)
 
 
 def instrument(loop: Any, timers: Timers, finished: list) -> None:
@@ -83,7 +90,8 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
     timers.wrap(engine, "step", "step")
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.scheduler, "plan_chunks", "plan_chunks")
-    timers.wrap(engine.prefill, "run", "prefill.run")
+    timers.wrap(engine, "_launch_prefill", "prefill.launch")
+    timers.wrap(engine, "_collect_prefill", "prefill.collect", counts=bool)
     timers.wrap(engine, "_hand_off", "handoff")
     step = engine.decode.step
 
@@ -106,9 +114,10 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
     """One concurrency's numbers (see the module docstring)."""
     steps = timers.calls.get("step", 0)
     step_s = timers.seconds.get("step", 0.0)
-    inner = {p: timers.seconds.get(p, 0.0) for p in ("schedule", "plan_chunks", "prefill.run", "handoff",
-                                                     "decode.step")}
+    inner = {p: timers.seconds.get(p, 0.0) for p in ("schedule", "plan_chunks", "prefill.launch", "prefill.collect",
+                                                     "decode.step")}  # handoff runs inside prefill.collect
     phases = {**{p: timers.seconds.get(p, 0.0) for p in PHASES}, "step (rest)": step_s - sum(inner.values())}
+    phases["prefill.collect"] -= phases["handoff"]
     phases["loop (rest)"] = wall_s - sum(phases.values())
     ms = lambda xs: 1e3 * statistics.median(xs) if xs else None  # noqa: E731
     ttft = [m.ttft for m in finished if m.ttft is not None]
@@ -119,7 +128,8 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
         "phases_share": {p: s / wall_s for p, s in phases.items()},
         "calls": dict(timers.calls),
         "step_ms_p50": ms(timers.durations.get("step", [])),
-        "prefill_run_ms_p50": ms(timers.durations.get("prefill.run", [])),
+        "prefill_launch_ms_p50": ms(timers.durations.get("prefill.launch", [])),
+        "prefill_collect_ms_p50": ms(timers.durations.get("prefill.collect", [])),
         "decode_step_ms_p50": ms(timers.durations.get("decode.step", [])),
         "decode_rows_mean": timers.rows / max(timers.calls.get("decode.step", 0), 1),
         "inbox_wait_ms_p50": ms(inbox), "engine_ttft_ms_p50": ms(ttft),
@@ -174,7 +184,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                 lv = level_profile(timers, finished, end - start, cpu, bench)
                 levels.setdefault(pass_, {})[c] = lv
                 log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
-                    f"step p50 {lv['step_ms_p50']:.2f} ms, prefill.run p50 {lv['prefill_run_ms_p50']:.1f} ms")
+                    f"step p50 {lv['step_ms_p50']:.2f} ms, decode.step p50 {lv['decode_step_ms_p50']:.2f} ms")
     finally:
         server.should_exit = True
         thread.join(30)
@@ -198,7 +208,8 @@ def markdown(levels: dict) -> str:
              "|---|" + "---|" * len(cs), *["| " + " | ".join(map(str, r)) + " |" for r in rows], ""]
     keys = [("output tok/s (client)", "output_tok_per_s", "{:.0f}"), ("engine steps", "steps", "{}"),
             ("requests", "requests", "{}"), ("decode rows per step (mean)", "decode_rows_mean", "{:.1f}"),
-            ("step p50 ms", "step_ms_p50", "{:.2f}"), ("prefill.run p50 ms", "prefill_run_ms_p50", "{:.2f}"),
+            ("step p50 ms", "step_ms_p50", "{:.2f}"), ("prefill.launch p50 ms", "prefill_launch_ms_p50", "{:.2f}"),
+            ("prefill.collect p50 ms (calls that collected)", "prefill_collect_ms_p50", "{:.2f}"),
             ("decode.step p50 ms", "decode_step_ms_p50", "{:.2f}"), ("inbox wait p50 ms", "inbox_wait_ms_p50",
                                                                      "{:.2f}"),
             ("engine TTFT p50 ms (arrival -> first token)", "engine_ttft_ms_p50", "{:.1f}"),

@@ -36,7 +36,7 @@ from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_bat
 from phaseserve.engine.request import Limits, Sequence
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import chunk_groups, decode_shapes, prefill_shapes
-from phaseserve.engine.workers import DecodeWorker, pages_to_scrub
+from phaseserve.engine.workers import DecodeWorker, Launched, pages_to_scrub
 
 
 @dataclass(frozen=True)
@@ -204,9 +204,9 @@ class RemotePrefill(RemoteWorker):
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         return chunk_groups(chunks, self.max_prefill_tokens)
 
-    def run(self, group: list[Chunk]) -> tuple[np.ndarray, tuple | None, tuple | None]:
-        first, gen, prompt = self.call("run_batch", chunk_batch(self.tables, self.page_size, group))
-        return np.asarray(first)[: len(group)], gen, prompt
+    def launch(self, group: list[Chunk]) -> Launched:
+        """The actor's chunk step, waited for (the call returns host arrays): a :class:`Launched` already done."""
+        return Launched(*self.call("run_batch", chunk_batch(self.tables, self.page_size, group)), rows=len(group))
 
     def shapes(self, max_rows: int, max_chunk: int, max_pages: int) -> list[tuple[int, int, int]]:
         return prefill_shapes(self.tables, self.page_size, self.max_prefill_tokens, max_rows, max_chunk, max_pages)

@@ -8,10 +8,18 @@ both phases.
 
 One :meth:`Engine.step`::
 
-    schedule (grow / preempt / admit)  ->  plan prefill chunks (``max_prefill_tokens`` per step, shared by the
-        prompts in progress)  ->  prefix hits starting: cached pages into the prefill pool  ->  prefill chunks
-        ->  prompts whose last chunk ran: their pages handed to decode (whole pages, decode storage dtype)
-        ->  integrity check (separate jitted launch)  ->  decode step for the prefilled requests  ->  bookkeeping
+    schedule (grow / preempt / admit)  ->  collect the prefill launched by an earlier step, if it has finished
+        (first tokens; prompts whose last chunk ran: their pages handed to decode, whole pages, decode storage dtype)
+        ->  if no prefill is in flight: plan prefill chunks (``max_prefill_tokens`` per step, shared by the prompts
+        in progress), prefix hits starting: cached pages into the prefill pool, launch the chunks on the prefill
+        mesh (not waited for)  ->  integrity check (separate jitted launch)  ->  decode step for the prefilled
+        requests, on the decode mesh while the prefill computes  ->  bookkeeping
+
+Overlap (``ServeConfig.overlap_prefill``, the default): prefill and decode run on disjoint meshes, so a step does
+not wait for the prefill it launched; the decode rows keep stepping and a later step collects the prefill once it
+has finished. A step waits for it when it has nothing to decode, and every step does with ``overlap_prefill=False``
+(the prefill is then collected in the step that launched it, before its decode). A request cancelled or preempted
+while its chunk computes is dropped from the result when it is collected (its pages were already released).
 
 Where a prompt's KV lives while it is prefilled: in the prefill mesh's own page pool, in the prefill KV dtype
 (``QuantConfig.prefill_kv_dtype``, BF16 in the design), each chunk attending over what the earlier chunks wrote.
@@ -42,7 +50,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -64,10 +72,18 @@ from phaseserve.engine.request import (
 )
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Scheduler
-from phaseserve.engine.workers import PhaseWorkers, local_workers
+from phaseserve.engine.workers import Launched, PhaseWorkers, local_workers
 from phaseserve.model.params import Params
 
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
+
+
+class InFlight(NamedTuple):
+    """A prefill group dispatched to the prefill mesh and not collected yet."""
+
+    group: list[Chunk]
+    admitted: list[int]  # each chunk's request's admitted_order at launch (a readmitted request is not current)
+    launched: Launched
 
 
 class EngineBusyError(RuntimeError):
@@ -130,6 +146,7 @@ class Engine:
         self._yielded: dict[str, int] | None = None  # tokens handed out per request by the running stream()
         self.swap_stats = dict(swap_outs=0, swap_ins=0, bytes=0, seconds=0.0)  # preemption="swap" traffic
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
+        self._inflight: list[InFlight] = []  # prefill groups launched and not yet collected (overlap_prefill)
 
     @classmethod
     def from_hydra(cls, hydra_cfg: Any) -> Engine:
@@ -272,16 +289,21 @@ class Engine:
             self._swap(swapped, out=True)
         if res.admitted:
             self._swap([s for s in res.admitted if s.swap is not None and s in self.scheduler.running], out=False)
-        try:
-            chunks = self.scheduler.plan_chunks(self.serve.max_prefill_tokens)
-        except Exception as e:  # not narrowed to one request: end the prompts in progress
-            self._fail([s for s in self.scheduler.running if s.prefilling], e)
-            chunks = []
+        collected = self._collect_prefill(events, wait=False)
+        chunks: list[Chunk] = []
+        if not self._inflight:  # one prefill in flight at a time: its requests' next chunks wait for its result
+            try:
+                chunks = self.scheduler.plan_chunks(self.serve.max_prefill_tokens)
+            except Exception as e:  # not narrowed to one request: end the prompts in progress
+                self._fail([s for s in self.scheduler.running if s.prefilling], e)
         if chunks:
             self._load_prefixes([c.seq for c in chunks if c.first and c.seq.shared_pages])
-            self._run_prefill(chunks, events)
+            self._launch_prefill(chunks, events)
         rows = [s for s in self.scheduler.running if not s.prefilling]
-        if rows and chunks and after_prefill is not None:
+        if self._inflight and (not rows or not self.serve.overlap_prefill):  # nothing to decode meanwhile
+            collected |= self._collect_prefill(events, wait=True)
+            rows = [s for s in self.scheduler.running if not s.prefilling]
+        if rows and collected and after_prefill is not None:
             after_prefill()
         if rows:
             self._run_decode(rows, events)
@@ -333,28 +355,67 @@ class Engine:
             except Exception as e:
                 self._device_failure([s], e)  # ends s (and everything, if a pool was lost)
 
-    def _run_prefill(self, chunks: list[Chunk], events: list) -> None:
+    def _launch_prefill(self, chunks: list[Chunk], events: list) -> None:
+        """Dispatch this step's chunk groups to the prefill mesh (:meth:`_collect_prefill` takes their results)."""
         t0 = time.perf_counter()
         for group in self.prefill.groups(chunks):
-            self._prefill_group(group, events)
+            try:
+                self._inflight.append(InFlight(group, [c.seq.admitted_order for c in group],
+                                               self.prefill.launch(group)))
+            except Exception as e:
+                self._retry_prefill(group, e, events)
         self.metrics.prefill_time += time.perf_counter() - t0
 
-    def _prefill_group(self, group: list[Chunk], events: list) -> None:
-        group = [c for c in group if self._seqs.get(c.id) is c.seq]  # a narrowed retry may have ended some
-        if not group:
-            return
+    def _collect_prefill(self, events: list, wait: bool) -> bool:
+        """The launched prefill's results, once all of its groups are done (or waiting for them with ``wait``):
+        first tokens, handoffs. True if it collected."""
+        if not self._inflight or not (wait or all(f.launched.ready() for f in self._inflight)):
+            return False
+        t0 = time.perf_counter()
+        inflight, self._inflight = self._inflight, []
+        for f in inflight:
+            self._finish_prefill(f, events)
+        self.metrics.prefill_time += time.perf_counter() - t0
+        return True
+
+    def _current(self, c: Chunk, admitted_order: int) -> bool:
+        """The chunk's request is still where the launch left it: not ended, preempted or readmitted meanwhile."""
+        s = c.seq
+        return (self._seqs.get(c.id) is s and s.admitted_order == admitted_order and s.computed == c.start
+                and s in self.scheduler.running)
+
+    def _retry_prefill(self, group: list[Chunk], err: Exception, events: list) -> None:
+        """A prefill group raised: narrowed, in halves run at once, to the one request it fails."""
+        if self._device_failure([c.seq for c in group], err):
+            half = len(group) // 2
+            for part in (group[:half], group[half:]):
+                part = [c for c in part if self._seqs.get(c.id) is c.seq]
+                if part:
+                    self._launch_now(part, events)
+
+    def _launch_now(self, group: list[Chunk], events: list) -> None:
         try:
-            first, gen, prompt = self.prefill.run(group)
+            launched = self.prefill.launch(group)
         except Exception as e:
-            if self._device_failure([c.seq for c in group], e):
-                half = len(group) // 2
-                self._prefill_group(group[:half], events)
-                self._prefill_group(group[half:], events)
+            self._retry_prefill(group, e, events)
+            return
+        self._finish_prefill(InFlight(group, [c.seq.admitted_order for c in group], launched), events)
+
+    def _finish_prefill(self, f: InFlight, events: list) -> None:
+        """One launched group's results: each current row's chunk counted, its prompt logprobs recorded, finished
+        prompts handed off (rows whose request ended or was preempted since the launch are dropped)."""
+        live = [i for i, (c, order) in enumerate(zip(f.group, f.admitted, strict=True)) if self._current(c, order)]
+        try:
+            first, gen, prompt = f.launched.result()
+        except Exception as e:
+            if live:
+                self._retry_prefill([f.group[i] for i in live], e, events)
             return
         self.metrics.prefill_batches += 1
-        self.metrics.prefill_tokens += sum(c.n for c in group)
+        self.metrics.prefill_tokens += sum(c.n for c in f.group)
         done = []
-        for i, (c, tok) in enumerate(zip(group, first, strict=True)):
+        for i in live:
+            c, tok = f.group[i], first[i]
             c.seq.computed += c.n
             if prompt is not None and c.seq.output.prompt_logprobs is not None:
                 self._record_prompt_logprobs(c, prompt, i)

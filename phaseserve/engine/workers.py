@@ -102,6 +102,26 @@ def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt
     return scrub
 
 
+class Launched(NamedTuple):
+    """A chunk step in flight (:meth:`PrefillWorker.launch`): its device outputs, fetched by :meth:`result`."""
+
+    first: Any  # i32[B] the sampled tokens (a jax.Array still computing, or host values)
+    gen: tuple | None  # the sampled tokens' logprob arrays, None unless a row asked
+    prompt: tuple | None  # every chunk position's logprob arrays, None unless a row asked
+    rows: int  # the group's real rows (the batch may be padded past them)
+
+    def ready(self) -> bool:
+        """The step has finished (fetching its result will not wait)."""
+        return not isinstance(self.first, jax.Array) or self.first.is_ready()
+
+    def result(self) -> tuple[np.ndarray, tuple | None, tuple | None]:
+        """Wait for the step: (sampled tokens i32[rows], gen, prompt) on the host (an error the step raised on the
+        device is raised here)."""
+        gen = jax.device_get(self.gen) if self.gen is not None else None
+        prompt = jax.device_get(self.prompt) if self.prompt is not None else None
+        return np.asarray(self.first)[: self.rows], gen, prompt
+
+
 class PrefillWorker:
     """Prefill weights and the prefill page pool on the prefill mesh, with the jitted chunk step and the page export
     of the handoff. The pool holds the KV of the prompts in progress only, in :attr:`pool_dtype` (the prefill KV
@@ -148,31 +168,34 @@ class PrefillWorker:
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         return chunk_groups(chunks, self.max_prefill_tokens)
 
-    def run(self, group: list[Chunk]) -> tuple[np.ndarray, tuple | None, tuple | None]:
-        """One chunk step for ``group`` (each request's pages already allocated): the token sampled at each chunk's
-        last token, i32[len(group)] on the host (a request's first output token when its chunk ends the prompt);
-        the host logprob arrays of those tokens and of every chunk position's next prompt token (``(logprob, top
-        logprobs, top ids)`` indexed ``[row]`` and ``[row, j]``), each None unless a row of the group asked."""
-        first, gen, prompt = self.run_batch(chunk_batch(self.tables, self.page_size, group))
-        return first[: len(group)], gen, prompt
+    def launch(self, group: list[Chunk]) -> Launched:
+        """One chunk step for ``group`` (each request's pages already allocated), dispatched to the prefill mesh and
+        not waited for (the engine decodes on the decode mesh meanwhile). :meth:`Launched.result` gives the token
+        sampled at each chunk's last token, i32[len(group)] on the host (a request's first output token when its
+        chunk ends the prompt), and the host logprob arrays of those tokens and of every chunk position's next prompt
+        token (``(logprob, top logprobs, top ids)`` indexed ``[row]`` and ``[row, j]``), each None unless a row of
+        the group asked."""
+        return Launched(*self.dispatch(chunk_batch(self.tables, self.page_size, group)), rows=len(group))
 
-    def run_batch(self, batch: ChunkBatch, exact: bool = False) -> tuple[np.ndarray, tuple | None, tuple | None]:
-        """The device half of :meth:`run`: one jitted chunk step; the sampled tokens i32[B] and the logprob arrays
-        (fetched only when a row asked) on the host. A padded shape not compiled yet runs on a larger compiled one
-        while it compiles in the background (:class:`~phaseserve.engine.compiled.ShapeCache`); ``exact``: compile
-        this shape now if needed (warm-up)."""
+    def dispatch(self, batch: ChunkBatch, exact: bool = False) -> tuple[jax.Array, tuple | None, tuple | None]:
+        """The device half of :meth:`launch`: one jitted chunk step dispatched (not waited for); the sampled tokens
+        i32[B] and the logprob arrays (None where no row asked), on the device. A padded shape not compiled yet runs
+        on a larger compiled one while it compiles in the background
+        (:class:`~phaseserve.engine.compiled.ShapeCache`); ``exact``: compile this shape now if needed (warm-up)."""
         key = (*batch.tokens.shape, batch.page_table.shape[1])
         use = key if exact else self.steps.choose(key, lambda k: (*self._abstract, abstract(warm_chunk_batch(*k))))
         if use != key:
             batch = pad_chunk_batch(batch, *use)
         step = self.steps.executable(use, (self.params, self.pool, batch))
         first, self.pool, gen, prompt = step(self.params, self.pool, batch)
-        gen = jax.device_get(gen) if batch.want_logprobs.any() else None
-        prompt = jax.device_get(prompt) if batch.want_prompt.any() else None
-        return np.asarray(first), gen, prompt
+        return first, gen if batch.want_logprobs.any() else None, prompt if batch.want_prompt.any() else None
+
+    def run_batch(self, batch: ChunkBatch, exact: bool = False) -> tuple[np.ndarray, tuple | None, tuple | None]:
+        """:meth:`dispatch`, waited for: the sampled tokens and the asked-for logprob arrays on the host."""
+        return Launched(*self.dispatch(batch, exact), rows=batch.tokens.shape[0]).result()
 
     def shapes(self, max_rows: int, max_chunk: int, max_pages: int) -> list[tuple[int, int, int]]:
-        """Every padded ``(rows, chunk, page-table width)`` :meth:`run` can use (:func:`prefill_shapes`)."""
+        """Every padded ``(rows, chunk, page-table width)`` :meth:`launch` can use (:func:`prefill_shapes`)."""
         return prefill_shapes(self.tables, self.page_size, self.max_prefill_tokens, max_rows, max_chunk, max_pages)
 
     def warm(self, b: int, c: int, w: int) -> None:

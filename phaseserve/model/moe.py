@@ -120,6 +120,7 @@ def _batched_ffn(p: MoEParams, xb: jax.Array, **dot_kw: Any) -> jax.Array:
 CAPACITY_MIN_MEAN = 16  # mean assignments per expert from which the CPU dispatch adds the capacity part
 CAPACITY_FACTOR = 1.25  # capacity rows per expert over the mean (rounded up to a multiple of 8)
 CAPACITY_MAX_BYTES = 256 << 20  # the most expert-weight bytes the capacity part may materialize (dequantized)
+OVERFLOW_BLOCK_ROWS = 16  # rows per block past the capacity (few assignments overflow: small blocks waste less)
 
 
 def capacity_rows(num_assignments: int, num_experts: int) -> int:
@@ -151,18 +152,18 @@ def default_cap(p: MoEParams, cfg: ModelConfig, num_tokens: int, d: int, dtype: 
 
 
 def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,
-                    cap: int | None = None) -> tuple[jax.Array, jax.Array]:
+                    cap: int | None = None, bt: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Capacity plus sorted blocks (the CPU's dispatch at every token count); exact.
 
     The N*k assignments are sorted by expert. Each expert's first ``cap`` assignments (:func:`default_cap` by
     default: 0 at decode sizes, and when the dequantized expert stacks would exceed ``CAPACITY_MAX_BYTES``) go into
     an [E, cap, D] buffer run through one batched FFN that reads every expert's weights in place (float weights of
-    the activations' dtype; quantized ones expanded whole). The rest (all of them when ``cap`` is 0) are laid out
-    in blocks of ``bt`` rows (:func:`block_rows`), each block holding one expert's assignments (zero rows pad an
-    expert's last block); a loop over the *used* blocks only (a dynamic trip count, zero when no expert overflows
-    its capacity) runs one dense ``[bt, D] x [D, F]`` FFN per block with that expert's weights (quantized leaves
-    indexed, then expanded). No expert's weights are copied for every assignment, and no expert runs on tokens that
-    did not choose it.
+    the activations' dtype; quantized ones expanded whole). The rest (all of them when ``cap`` is 0) are laid out in
+    blocks of ``bt`` rows (:func:`block_rows`, at most ``OVERFLOW_BLOCK_ROWS`` past a capacity), each block holding one
+    expert's assignments (zero rows pad an expert's last block); a loop over the *used* blocks only (a dynamic trip
+    count, zero when no expert overflows its capacity) runs one dense ``[bt, D] x [D, F]`` FFN per block with that
+    expert's weights (quantized leaves indexed, then expanded). No expert's weights are copied for every assignment, and
+    no expert runs on tokens that did not choose it.
 
     x [N, D], weights f32[N, k], idx i32[N, k] -> (out [N, D], 0.0).
 
@@ -172,8 +173,12 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     n, k = idx.shape
     e, m, d = cfg.num_experts, n * k, x.shape[1]
     cap = default_cap(p, cfg, n, d, x.dtype) if cap is None else cap
-    bt = block_rows(m, e)
-    nb = m // bt + e  # static bound on the blocks used: sum_e ceil(c_e / bt) <= m // bt + e
+    if bt is None:
+        bt = block_rows(m, e) if cap == 0 else min(block_rows(m, e), OVERFLOW_BLOCK_ROWS)
+    # static bound on the blocks used: the o_e = max(c_e - cap, 0) overflowing assignments sum to at most m - cap
+    # (all when cap is 0), and at most m // (cap + 1) experts overflow, so sum_e ceil(o_e / bt) <= that (one block
+    # at least, for the loop body to trace)
+    nb = max(1, max(m - cap, 0) // bt + min(e, m // (cap + 1)))
     mm = dict(preferred_element_type=jnp.float32)
     order, expert, counts, start, rank = _sorted(idx, e)
     token = jnp.concatenate([order // k, jnp.array([n], order.dtype)])  # [m + 1] token per sorted position; n: pad

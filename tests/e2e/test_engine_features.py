@@ -123,11 +123,11 @@ def test_streaming_and_cancellation(mla):
 def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
     """``step(after_prefill=...)`` runs once the round's prefill emitted the new requests' first tokens and before
     its decode step: the new request holds one token, the running ones not yet this round's; the tokens are those
-    of a run without the hook."""
+    of a run without the hook. Here each step waits for its prefill (``overlap_prefill=False``)."""
     cfg, params = mla
     reqs = random_requests(cfg.vocab_size, 3, seed=11, max_tokens=(6, 7))
     ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(mode)).generate(reqs)}
-    eng = ps.Engine(cfg, params, serve_config(mode))
+    eng = ps.Engine(cfg, params, serve_config(mode, overlap_prefill=False))
     eng.add_request(reqs[0])
     eng.step()
     eng.step()  # r0 decoding
@@ -147,6 +147,37 @@ def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
     while eng.has_work:
         eng.step(after_prefill=hook)
     assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref
+
+
+def test_overlapped_prefill_decodes_the_running_rows_while_it_computes(mla):
+    """``overlap_prefill`` (the default): the step that launches new prompts' prefill decodes the running request
+    without waiting for it; a later step collects it (``after_prefill`` then sees the first tokens, before that
+    step's decode), and every request's tokens equal a run that waits for each prefill."""
+    cfg, params = mla
+    reqs = random_requests(cfg.vocab_size, 3, seed=11, max_tokens=(6, 7))
+    ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(overlap_prefill=False)).generate(reqs)}
+    eng = ps.Engine(cfg, params, serve_config())
+    eng.add_request(reqs[0])
+    eng.step()  # nothing else to run: r0's prefill is waited for
+    assert len(eng.outputs["r0"].tokens) == 2
+    eng.add_request(reqs[1])
+    eng.add_request(reqs[2])
+    seen = []
+
+    def hook():
+        seen.append({r.id: len(eng.outputs[r.id].tokens) for r in reqs})
+
+    eng.step(after_prefill=hook)  # launches r1's and r2's prefill and decodes r0 without waiting for it
+    assert len(eng.outputs["r0"].tokens) == 3 and len(eng._inflight) == 1 and not seen
+    assert (len(eng.outputs["r1"].tokens), len(eng.outputs["r2"].tokens)) == (0, 0)
+    eng.prefill.block()  # the launched chunk step has finished: the next step collects it
+    eng.step(after_prefill=hook)
+    assert seen == [{"r0": 3, "r1": 1, "r2": 1}] and not eng._inflight
+    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": 4, "r1": 2, "r2": 2}
+    while eng.has_work:
+        eng.step()
+    assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref
+    eng.check_invariants()
 
 
 def test_sampling_is_seeded_and_independent_of_the_batch(mla):

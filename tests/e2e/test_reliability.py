@@ -115,18 +115,18 @@ def test_an_exception_while_serving_ends_only_its_requests(served, monkeypatch):
     cfg = eng.cfg
     boom = Request(id="boom", prompt=[5, 6, 7], max_tokens=4, ignore_eos=True)
     bang = Request(id="bang", prompt=[8, 9], max_tokens=6, ignore_eos=True)
-    run = eng.prefill.run
+    launch = eng.prefill.launch
 
-    def prefill_run(group):
+    def prefill_launch(group):
         if any(s.id == "boom" for s in group):
             raise RuntimeError("prefill exploded")
-        return run(group)
+        return launch(group)
 
     def decode_fault(engine, rows):
         if any(s.id == "bang" for s in rows) and len(engine.outputs["bang"].tokens) >= 2:
             raise FloatingPointError("decode exploded")
 
-    monkeypatch.setattr(eng.prefill, "run", prefill_run)
+    monkeypatch.setattr(eng.prefill, "launch", prefill_launch)
     eng.fault_hooks.append(decode_fault)
     try:
         outs = {o.id: o for o in eng.generate(goods[:2] + [boom, bang] + goods[2:])}
@@ -139,6 +139,56 @@ def test_an_exception_while_serving_ends_only_its_requests(served, monkeypatch):
     assert {g.id: outs[g.id].tokens for g in goods} == ref
     assert _drained(eng) and eng.summary()["requests"] >= 6
     del cfg
+
+
+class _FailsOnFetch:
+    """A launched step's output whose fetch raises (an error the device raised while the engine decoded)."""
+
+    def __array__(self, *a, **kw):
+        raise RuntimeError("prefill failed on the device")
+
+
+def test_a_prefill_that_fails_when_collected_ends_only_its_request(served, monkeypatch):
+    """The overlapped prefill's error surfaces only when its result is fetched, steps after the launch: the group is
+    retried in halves then, and only the failing request ends."""
+    from phaseserve.engine.workers import Launched
+
+    eng, goods, ref = served
+    boom = Request(id="boom2", prompt=[5, 6, 7], max_tokens=4, ignore_eos=True)
+    launch = eng.prefill.launch
+    launches = []
+
+    def prefill_launch(group):
+        launches.append(len(group))
+        if any(c.id == "boom2" for c in group):
+            return Launched(_FailsOnFetch(), None, None, rows=len(group))
+        return launch(group)
+
+    monkeypatch.setattr(eng.prefill, "launch", prefill_launch)
+    outs = {o.id: o for o in eng.generate(goods[:2] + [boom] + goods[2:])}
+    assert outs["boom2"].finish_reason == "error" and isinstance(outs["boom2"].error, RuntimeError)
+    assert outs["boom2"].tokens == []
+    assert {g.id: outs[g.id].tokens for g in goods} == ref
+    assert max(launches) > 1 and 1 in launches  # a group with it was launched, then narrowed to it alone
+    assert _drained(eng)
+
+
+def test_a_request_cancelled_while_its_prefill_computes_is_dropped_when_collected(served):
+    eng, goods, ref = served
+    eng.add_request(goods[0])
+    eng.step()  # goods[0] decoding
+    eng.add_request(goods[1])
+    eng.step()  # goods[1]'s prefill launched; goods[0] decoded meanwhile
+    assert [c.id for f in eng._inflight for c in f.group] == [goods[1].id]
+    assert eng.cancel(goods[1].id)
+    eng.prefill.block()
+    eng.step()  # collected: the cancelled request's row is dropped, nothing handed off or emitted
+    assert not eng._inflight and eng.outputs[goods[1].id].tokens == []
+    assert eng.outputs[goods[1].id].finish_reason == "aborted"
+    while eng.has_work:
+        eng.step()
+    assert eng.outputs[goods[0].id].tokens == ref[goods[0].id]
+    assert _drained(eng) and eng.prefill.allocator.num_free == eng.prefill.num_pages - 1
 
 
 def test_a_lost_page_pool_ends_the_running_requests_and_is_rebuilt(served):

@@ -160,18 +160,23 @@ def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
             return dt
 
     timers, obj = rpf.Timers(), Obj()
-    timers.wrap(obj, "work", "prefill.run")
-    assert obj.work(5) == 5  # the wrapped method still returns its value
-    timers.events = [("drain", 0.0, 10.0), ("step", 10.0, 2.0), ("prefill.run", 10.0, 1.5),
-                     ("decode.step", 11.5, 0.4), ("drain", 12.0, 0.5), ("drain", 30.0, 5.0)]
+    timers.wrap(obj, "work", "prefill.collect", counts=bool)
+    assert obj.work(5) == 5 and obj.work(0) == 0  # the wrapped method still returns its value
+    assert [e[3] for e in timers.events] == [True, False]  # a call that collected nothing is not in the p50
+    timers.events = [("drain", 0.0, 10.0, True), ("step", 10.0, 2.0, True), ("prefill.collect", 10.0, 1.5, True),
+                     ("handoff", 10.5, 0.5, True), ("prefill.collect", 11.45, 0.05, False),
+                     ("decode.step", 11.5, 0.4, True), ("drain", 12.0, 0.5, True), ("drain", 30.0, 5.0, True)]
     timers.clip(9.0, 13.0)  # the idle waits before 9 s and after 13 s are cut off
     assert timers.seconds["drain"] == pytest.approx(1.0 + 0.5) and timers.calls["drain"] == 2
+    assert timers.durations["prefill.collect"] == [1.5] and timers.calls["prefill.collect"] == 2
     finished = [SimpleNamespace(ttft=0.2, received=9.0, arrival=9.01), SimpleNamespace(ttft=0.4, received=9.5,
                                                                                        arrival=9.6)]
     bench = {"ttft_p50_ms": 350.0, "tpot_p50_ms": 5.0, "output_tok_per_s": 100.0}
     lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
-    assert lv["phases_share"]["prefill.run"] == pytest.approx(1.5 / 4)
-    assert lv["phases_ms_per_step"]["step (rest)"] == pytest.approx(1e3 * (2.0 - 1.5 - 0.4))
+    assert lv["phases_share"]["prefill.collect"] == pytest.approx((1.55 - 0.5) / 4)  # the handoff is its own row
+    assert lv["phases_share"]["handoff"] == pytest.approx(0.5 / 4)
+    assert lv["phases_ms_per_step"]["step (rest)"] == pytest.approx(1e3 * (2.0 - 1.55 - 0.4))
     assert lv["phases_share"]["loop (rest)"] == pytest.approx((4.0 - 1.5 - 2.0) / 4)
+    assert lv["prefill_collect_ms_p50"] == pytest.approx(1500.0)
     assert lv["engine_ttft_ms_p50"] == pytest.approx(300.0) and lv["inbox_wait_ms_p50"] == pytest.approx(55.0)
-    assert "| prefill.run | 1500.000 (38%) |" in rpf.markdown({1: lv})
+    assert "| prefill.collect | 1050.000 (26%) |" in rpf.markdown({1: lv})

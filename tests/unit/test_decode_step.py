@@ -75,6 +75,17 @@ def test_blocked_experts_capacity_part(cap, skewed):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cap,bt", [(3, 4), (5, 16), (0, 4)])
+def test_blocked_experts_every_token_on_the_same_experts(cap, bt):
+    """Every token picks the same k experts: each holds n assignments, the most overflow the static block bound
+    allows for, in blocks of ``bt`` rows past the capacity."""
+    n = 37
+    p, x, w, _ = _moe_inputs(MLA, n, seed=cap + bt)
+    idx = jnp.broadcast_to(jnp.array([4, 1], jnp.int32), (n, 2))
+    np.testing.assert_allclose(M.blocked_experts(p, MLA, x, w, idx, cap=cap, bt=bt)[0],
+                               M.dense_experts(p, MLA, x, w, idx)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_capacity_part_bounded_by_the_bytes_it_materializes(monkeypatch):
     """Float weights in the activations' dtype are read in place (nothing materialized); quantized stacks are
     expanded whole by the capacity part, so past ``CAPACITY_MAX_BYTES`` the dispatch keeps to the blocks."""
