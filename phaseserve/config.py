@@ -344,6 +344,9 @@ class ServeConfig:
     max_context: int | None = None  # prompt + output tokens; None: the model's context_length (within the budget)
     seed: int = 0
     overlap_prefill: bool = True  # decode steps run while a launched prefill computes (False: each step waits for it)
+    # prompt tokens per prefill launch while requests are decoding (whole prompts unless one alone is longer); None:
+    # max_prefill_tokens. Small launches spread the first tokens of a burst of arrivals over the decode steps.
+    decoding_prefill_tokens: int | None = 256
 
     def __post_init__(self):
         _choice("ServeConfig.mode", self.mode, SERVE_MODES)
@@ -363,6 +366,8 @@ class ServeConfig:
                    f"request but CacheConfig.max_pages_per_seq={c.max_pages_per_seq} x page_size={c.page_size} holds "
                    f"{c.max_pages_per_seq * c.page_size} tokens (leave max_pages_per_seq unset to derive it)")
         _positive_int("ServeConfig.seed", self.seed, 0)
+        if self.decoding_prefill_tokens is not None:
+            _positive_int("ServeConfig.decoding_prefill_tokens", self.decoding_prefill_tokens)
         _check(isinstance(self.overlap_prefill, bool), f"ServeConfig.overlap_prefill must be a bool, got "
                                                        f"{self.overlap_prefill!r}")
         for name in ("prefill_tp", "decode_tp", "decode_ep"):

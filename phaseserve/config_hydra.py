@@ -8,7 +8,8 @@ or a wrong type is an error at composition time::
     quant:    QuantSpec      -> QuantConfig   (field for field)
     cache:    CacheSpec      -> CacheConfig   (+ ``kv_budget_requests``: size the byte budget by the workload)
     mesh:     MeshSpec       -> MeshConfig    (+ ``host_devices``: simulated CPU devices)
-    engine:   EngineSpec     -> ServeConfig's mode, max_batch, max_prefill_tokens, max_context, seed, overlap_prefill
+    engine:   EngineSpec     -> ServeConfig's mode, max_batch, max_prefill_tokens, max_context, seed, overlap_prefill,
+                              decoding_prefill_tokens
     workload: WorkloadSpec   lengths, arrivals, concurrency (played by :mod:`lab.bench.workload`)
     experiment: free-form    validated by each experiment against its own dataclass (``bench.schema``)
 
@@ -111,6 +112,7 @@ class EngineSpec:
     max_context: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     overlap_prefill: bool = True  # decode steps run while a launched prefill computes
+    decoding_prefill_tokens: int | None = 256  # prompt tokens per prefill launch while requests decode (None: all)
     attn_impl: str = "auto"  # "auto" | "pallas" | "reference" (Engine(attn_impl=...))
     matmul_impl: str = "auto"  # quantized-weight matmuls, same choices (Engine(matmul_impl=...))
 
@@ -287,7 +289,8 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
     max_batch = e.max_batch if e.max_batch is not None else max(int(x) for x in as_list(cfg.workload.concurrency))
     return ServeConfig(mode=str(e.mode), quant=quant, cache=cache, mesh=mesh, max_batch=int(max_batch),
                        max_prefill_tokens=int(e.max_prefill_tokens), max_context=e.max_context, seed=int(e.seed),
-                       overlap_prefill=bool(e.get("overlap_prefill", True)))
+                       overlap_prefill=bool(e.get("overlap_prefill", True)),
+                       decoding_prefill_tokens=e.get("decoding_prefill_tokens", 256))
 
 
 def serve_config_from_hydra(cfg: DictConfig) -> tuple[ModelConfig, Any, ServeConfig]:

@@ -110,6 +110,13 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
     engine._finish = on_finish
 
 
+def compiles(engine: Any) -> dict[str, int]:
+    """The engine's step executables compiled so far, by phase and where (``engine.compiled.ShapeCache`` stats:
+    ``background``, ``inline``), and the calls run on a larger compiled shape (``cover``)."""
+    return {f"{phase} {k}": int(getattr(engine, phase).steps.stats.get(k, 0)) for phase in ("prefill", "decode")
+            for k in ("background", "inline", "cover")}
+
+
 def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, float], bench: dict) -> dict:
     """One concurrency's numbers (see the module docstring)."""
     steps = timers.calls.get("step", 0)
@@ -174,6 +181,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                 timers.reset()
                 finished.clear()
                 cpu0 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
+                comp0 = compiles(loop.backend.engine)
                 bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed + pass_,
                                       out_dir / "raw" / f"profile_p{pass_}_c{c}.json")
                 cpu1 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
@@ -182,6 +190,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                 timers.clip(start, end)
                 cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
                 lv = level_profile(timers, finished, end - start, cpu, bench)
+                lv["compiles"] = {k: v - comp0.get(k, 0) for k, v in compiles(loop.backend.engine).items()}
                 levels.setdefault(pass_, {})[c] = lv
                 log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
                     f"step p50 {lv['step_ms_p50']:.2f} ms, decode.step p50 {lv['decode_step_ms_p50']:.2f} ms")
@@ -219,6 +228,8 @@ def markdown(levels: dict) -> str:
     for label, k, f in keys:
         lines.append(f"| {label} | " + " | ".join("–" if levels[c][k] is None else f.format(levels[c][k])
                                                    for c in cs) + " |")
+    for k in next(iter(levels.values())).get("compiles", {}):
+        lines.append(f"| {k} | " + " | ".join(str(levels[c].get("compiles", {}).get(k, "–")) for c in cs) + " |")
     for thr in ("engine_loop", "uvicorn", "other"):
         lines.append(f"| CPU s / span s: {thr} | " + " | ".join(f"{levels[c]['cpu_share_of_wall'][thr]:.2f}"
                                                                 for c in cs) + " |")

@@ -292,8 +292,10 @@ class Engine:
         collected = self._collect_prefill(events, wait=False)
         chunks: list[Chunk] = []
         if not self._inflight:  # one prefill in flight at a time: its requests' next chunks wait for its result
+            budget, small = self.serve.max_prefill_tokens, self.serve.decoding_prefill_tokens
+            decoding = small is not None and any(not s.prefilling for s in self.scheduler.running)
             try:
-                chunks = self.scheduler.plan_chunks(self.serve.max_prefill_tokens)
+                chunks = self.scheduler.plan_chunks(min(budget, small) if decoding else budget, split=not decoding)
             except Exception as e:  # not narrowed to one request: end the prompts in progress
                 self._fail([s for s in self.scheduler.running if s.prefilling], e)
         if chunks:

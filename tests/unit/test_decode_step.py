@@ -86,6 +86,20 @@ def test_blocked_experts_every_token_on_the_same_experts(cap, bt):
                                M.dense_experts(p, MLA, x, w, idx)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_decode_sizes_use_a_small_capacity_for_float_stacks_only():
+    """Below ``CAPACITY_MIN_MEAN`` float stacks get a power-of-two capacity of at least 4 (read in place), quantized
+    ones none (they would be expanded whole); the output equals every expert on every token either way."""
+    p, x, w, idx = _moe_inputs(MLA, 12, seed=5)
+    q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
+    assert M.capacity_rows(24, 8) == 0 and M.small_capacity_rows(24, 8) == 4 and M.small_capacity_rows(80, 8) == 16
+    assert M.default_cap(p, MLA, 12, MLA.hidden_size, jnp.float32) == 4
+    assert M.default_cap(q, MLA, 12, MLA.hidden_size, jnp.float32) == 0
+    assert M.default_cap(p, MLA, 3, MLA.hidden_size, jnp.float32) == 0  # 6 assignments, 8 experts: blocks only
+    for params in (p, q):
+        np.testing.assert_allclose(M.blocked_experts(params, MLA, x, w, idx)[0],
+                                   M.dense_experts(params, MLA, x, w, idx)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_capacity_part_bounded_by_the_bytes_it_materializes(monkeypatch):
     """Float weights in the activations' dtype are read in place (nothing materialized); quantized stacks are
     expanded whole by the capacity part, so past ``CAPACITY_MAX_BYTES`` the dispatch keeps to the blocks."""

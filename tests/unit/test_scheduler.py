@@ -209,3 +209,15 @@ def test_preempting_a_prompt_in_progress_restarts_it_and_frees_its_prefill_pages
             break
     assert preempted == [b] and b.num_prompt == 19 and b.computed == 0  # the prompt again, not prompt - 1
     assert "b" not in s.prefill_tables and s.prefill_tables.allocator.num_free == 16
+
+
+def test_plan_chunks_without_split_keeps_whole_prompts_within_the_budget():
+    """``split=False`` (the engine's launches while requests decode): whole prompts while they fit, the first prompt
+    cut to the budget when it alone is longer; the default cuts the last prompt to the budget's remainder."""
+    s = make(num_pages=64, prefill_pages=64)
+    for i, n in enumerate((5, 6, 7)):
+        s.add(seq(f"r{i}", range(10 * i, 10 * i + n)))
+    s.schedule()
+    assert [(c.id, c.n) for c in s.plan_chunks(12, split=False)] == [("r0", 5), ("r1", 6)]
+    assert [(c.id, c.n) for c in s.plan_chunks(12)] == [("r0", 5), ("r1", 6), ("r2", 1)]
+    assert [(c.id, c.n) for c in s.plan_chunks(3, split=False)] == [("r0", 3)]
