@@ -8,18 +8,20 @@ both phases.
 
 One :meth:`Engine.step`::
 
-    schedule (grow / preempt / admit)  ->  collect the prefill launched by an earlier step, if it has finished
-        (first tokens; prompts whose last chunk ran: their pages handed to decode, whole pages, decode storage dtype)
-        ->  if no prefill is in flight: plan prefill chunks (``max_prefill_tokens`` per step, shared by the prompts
-        in progress), prefix hits starting: cached pages into the prefill pool, launch the chunks on the prefill
-        mesh (not waited for)  ->  integrity check (separate jitted launch)  ->  decode step for the prefilled
-        requests, on the decode mesh while the prefill computes  ->  bookkeeping
+    schedule (grow / preempt / admit)  ->  collect each prefill launch of earlier steps that has finished, in launch
+        order (first tokens; prompts whose last chunk ran: their pages handed to decode, whole pages, decode storage
+        dtype)  ->  if fewer than ``PREFILL_IN_FLIGHT`` are in flight: plan the next chunks of the prompts in
+        progress that have none in flight (``max_prefill_tokens``, or ``decoding_prefill_tokens`` while requests
+        decode), prefix hits starting: cached pages into the prefill pool, launch the chunks on the prefill mesh
+        (not waited for)  ->  integrity check (separate jitted launch)  ->  decode step for the prefilled requests,
+        on the decode mesh while the prefill computes  ->  bookkeeping
 
 Overlap (``ServeConfig.overlap_prefill``, the default): prefill and decode run on disjoint meshes, so a step does
-not wait for the prefill it launched; the decode rows keep stepping and a later step collects the prefill once it
-has finished. A step waits for it when it has nothing to decode, and every step does with ``overlap_prefill=False``
-(the prefill is then collected in the step that launched it, before its decode). A request cancelled or preempted
-while its chunk computes is dropped from the result when it is collected (its pages were already released).
+not wait for the prefill it launched; the decode rows keep stepping and a later step collects each launch once it
+has finished (up to ``PREFILL_IN_FLIGHT`` launches queued on the prefill mesh). A step waits for them when it has
+nothing to decode, and every step does with ``overlap_prefill=False`` (the prefill is then collected in the step
+that launched it, before its decode). A request cancelled or preempted while its chunk computes is dropped from the
+result when it is collected (its pages were already released).
 
 Where a prompt's KV lives while it is prefilled: in the prefill mesh's own page pool, in the prefill KV dtype
 (``QuantConfig.prefill_kv_dtype``, BF16 in the design), each chunk attending over what the earlier chunks wrote.
@@ -76,6 +78,8 @@ from phaseserve.engine.workers import Launched, PhaseWorkers, local_workers
 from phaseserve.model.params import Params
 
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
+PREFILL_IN_FLIGHT = 2  # prefill launches queued on the prefill mesh at once (overlap_prefill): the next one is
+# dispatched while the last computes, so the prefill devices never idle for a step's collection
 
 
 class InFlight(NamedTuple):
@@ -291,11 +295,13 @@ class Engine:
             self._swap([s for s in res.admitted if s.swap is not None and s in self.scheduler.running], out=False)
         collected = self._collect_prefill(events, wait=False)
         chunks: list[Chunk] = []
-        if not self._inflight:  # one prefill in flight at a time: its requests' next chunks wait for its result
+        if len(self._inflight) < PREFILL_IN_FLIGHT:  # a request's next chunk waits for its chunk in flight
             budget, small = self.serve.max_prefill_tokens, self.serve.decoding_prefill_tokens
             decoding = small is not None and any(not s.prefilling for s in self.scheduler.running)
+            busy = {c.id for f in self._inflight for c in f.group}
             try:
-                chunks = self.scheduler.plan_chunks(min(budget, small) if decoding else budget, split=not decoding)
+                chunks = self.scheduler.plan_chunks(min(budget, small) if decoding else budget, split=not decoding,
+                                                    skip=busy)
             except Exception as e:  # not narrowed to one request: end the prompts in progress
                 self._fail([s for s in self.scheduler.running if s.prefilling], e)
         if chunks:
@@ -369,16 +375,15 @@ class Engine:
         self.metrics.prefill_time += time.perf_counter() - t0
 
     def _collect_prefill(self, events: list, wait: bool) -> bool:
-        """The launched prefill's results, once all of its groups are done (or waiting for them with ``wait``):
-        first tokens, handoffs. True if it collected."""
-        if not self._inflight or not (wait or all(f.launched.ready() for f in self._inflight)):
-            return False
-        t0 = time.perf_counter()
-        inflight, self._inflight = self._inflight, []
-        for f in inflight:
-            self._finish_prefill(f, events)
-        self.metrics.prefill_time += time.perf_counter() - t0
-        return True
+        """The launched prefill groups' results, in launch order, each once it is done (every one, waiting for
+        them, with ``wait``): first tokens, handoffs. True if it collected any."""
+        t0, got = time.perf_counter(), False
+        while self._inflight and (wait or self._inflight[0].launched.ready()):
+            self._finish_prefill(self._inflight.pop(0), events)
+            got = True
+        if got:
+            self.metrics.prefill_time += time.perf_counter() - t0
+        return got
 
     def _current(self, c: Chunk, admitted_order: int) -> bool:
         """The chunk's request is still where the launch left it: not ended, preempted or readmitted meanwhile."""

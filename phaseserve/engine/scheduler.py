@@ -172,16 +172,17 @@ class Scheduler:
         if self.prefill_tables is not None and seq.id in self.prefill_tables:
             self.prefill_tables.release(seq.id)
 
-    def plan_chunks(self, budget: int, split: bool = True) -> list[Chunk]:
+    def plan_chunks(self, budget: int, split: bool = True, skip: set[str] | frozenset = frozenset()) -> list[Chunk]:
         """This step's prefill work: the prefilling requests' next chunks, oldest first, ``budget`` tokens in all. A
         prompt's first chunk also gives it the prefill pages of its whole prompt; while the prefill pool is short,
         it and every later prompt wait (FCFS) for the prompts in progress to be handed off. ``split`` False: a
-        prompt's rest is not cut to the budget's remainder (it waits for the next plan), unless it is the first."""
+        prompt's rest is not cut to the budget's remainder (it waits for the next plan), unless it is the first.
+        ``skip``: ids of requests not to plan now (a chunk of theirs is in flight)."""
         chunks = []
         for seq in sorted(self.running, key=lambda s: s.admitted_order):
             if budget <= 0:
                 break
-            if not seq.prefilling:
+            if not seq.prefilling or seq.id in skip:
                 continue
             if not split and chunks and seq.num_prompt - seq.computed > budget:
                 break

@@ -180,6 +180,44 @@ def test_overlapped_prefill_decodes_the_running_rows_while_it_computes(mla):
     eng.check_invariants()
 
 
+def test_prefill_launches_queue_on_the_prefill_mesh_while_requests_decode(mla, monkeypatch):
+    """While requests decode, each launch holds ``decoding_prefill_tokens`` of whole prompts (a longer first prompt
+    cut to it); up to ``PREFILL_IN_FLIGHT`` launches are queued, a request with a chunk in flight is not planned
+    again, and the launches are collected in order once done. Tokens equal a run that waits for every prefill."""
+    from phaseserve.engine.engine import PREFILL_IN_FLIGHT
+    from phaseserve.engine.workers import Launched
+
+    cfg, params = mla
+    reqs = [Request(id=f"q{i}", prompt=[(7 * i + j) % cfg.vocab_size for j in range(9)], max_tokens=6,
+                    ignore_eos=True) for i in range(4)]
+    ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(overlap_prefill=False)).generate(reqs)}
+    eng = ps.Engine(cfg, params, serve_config(decoding_prefill_tokens=4))
+    eng.add_request(reqs[0])
+    eng.step()  # nothing decodes yet: the whole budget, waited for
+    released = [False]
+
+    class Held(Launched):
+        def ready(self):
+            return released[0] and super().ready()
+
+    launch = eng.prefill.launch
+    monkeypatch.setattr(eng.prefill, "launch", lambda group: Held(*launch(group)))
+    for r in reqs[1:]:
+        eng.add_request(r)
+    for _ in range(3):
+        eng.step()
+    assert PREFILL_IN_FLIGHT == 2 and [[(c.id, c.start, c.n) for c in f.group] for f in eng._inflight] == [
+        [("q1", 0, 4)], [("q2", 0, 4)]]
+    assert len(eng.outputs["q0"].tokens) == 5  # decoded every step meanwhile
+    released[0] = True
+    eng.step()  # both collected (q1, q2 have 4 of 9 tokens), the next launch planned
+    assert (eng._seqs["q1"].computed, eng._seqs["q2"].computed) == (4, 4) and len(eng._inflight) == 1
+    while eng.has_work:
+        eng.step()
+    assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref
+    eng.check_invariants()
+
+
 def test_sampling_is_seeded_and_independent_of_the_batch(mla):
     cfg, params = mla
     r = Request(id="s", prompt=[3, 1, 4, 1, 5], max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=7,

@@ -221,3 +221,4 @@ def test_plan_chunks_without_split_keeps_whole_prompts_within_the_budget():
     assert [(c.id, c.n) for c in s.plan_chunks(12, split=False)] == [("r0", 5), ("r1", 6)]
     assert [(c.id, c.n) for c in s.plan_chunks(12)] == [("r0", 5), ("r1", 6), ("r2", 1)]
     assert [(c.id, c.n) for c in s.plan_chunks(3, split=False)] == [("r0", 3)]
+    assert [(c.id, c.n) for c in s.plan_chunks(12, skip={"r0"})] == [("r1", 6), ("r2", 6)]  # r0's chunk in flight
