@@ -347,6 +347,7 @@ class ServeConfig:
     # prompt tokens per prefill launch while requests are decoding (whole prompts unless one alone is longer); None:
     # max_prefill_tokens. Small launches spread the first tokens of a burst of arrivals over the decode steps.
     decoding_prefill_tokens: int | None = 256
+    prefill_in_flight: int = 1  # prefill launches queued on the prefill mesh at once (overlap_prefill)
 
     def __post_init__(self):
         _choice("ServeConfig.mode", self.mode, SERVE_MODES)
@@ -366,6 +367,7 @@ class ServeConfig:
                    f"request but CacheConfig.max_pages_per_seq={c.max_pages_per_seq} x page_size={c.page_size} holds "
                    f"{c.max_pages_per_seq * c.page_size} tokens (leave max_pages_per_seq unset to derive it)")
         _positive_int("ServeConfig.seed", self.seed, 0)
+        _positive_int("ServeConfig.prefill_in_flight", self.prefill_in_flight)
         if self.decoding_prefill_tokens is not None:
             _positive_int("ServeConfig.decoding_prefill_tokens", self.decoding_prefill_tokens)
         _check(isinstance(self.overlap_prefill, bool), f"ServeConfig.overlap_prefill must be a bool, got "

@@ -182,16 +182,15 @@ def test_overlapped_prefill_decodes_the_running_rows_while_it_computes(mla):
 
 def test_prefill_launches_queue_on_the_prefill_mesh_while_requests_decode(mla, monkeypatch):
     """While requests decode, each launch holds ``decoding_prefill_tokens`` of whole prompts (a longer first prompt
-    cut to it); up to ``PREFILL_IN_FLIGHT`` launches are queued, a request with a chunk in flight is not planned
+    cut to it); up to ``prefill_in_flight`` launches are queued, a request with a chunk in flight is not planned
     again, and the launches are collected in order once done. Tokens equal a run that waits for every prefill."""
-    from phaseserve.engine.engine import PREFILL_IN_FLIGHT
     from phaseserve.engine.workers import Launched
 
     cfg, params = mla
     reqs = [Request(id=f"q{i}", prompt=[(7 * i + j) % cfg.vocab_size for j in range(9)], max_tokens=6,
                     ignore_eos=True) for i in range(4)]
     ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(overlap_prefill=False)).generate(reqs)}
-    eng = ps.Engine(cfg, params, serve_config(decoding_prefill_tokens=4))
+    eng = ps.Engine(cfg, params, serve_config(decoding_prefill_tokens=4, prefill_in_flight=2))
     eng.add_request(reqs[0])
     eng.step()  # nothing decodes yet: the whole budget, waited for
     released = [False]
@@ -206,7 +205,7 @@ def test_prefill_launches_queue_on_the_prefill_mesh_while_requests_decode(mla, m
         eng.add_request(r)
     for _ in range(3):
         eng.step()
-    assert PREFILL_IN_FLIGHT == 2 and [[(c.id, c.start, c.n) for c in f.group] for f in eng._inflight] == [
+    assert [[(c.id, c.start, c.n) for c in f.group] for f in eng._inflight] == [
         [("q1", 0, 4)], [("q2", 0, 4)]]
     assert len(eng.outputs["q0"].tokens) == 5  # decoded every step meanwhile
     released[0] = True
