@@ -120,7 +120,9 @@ def _batched_ffn(p: MoEParams, xb: jax.Array, **dot_kw: Any) -> jax.Array:
 CAPACITY_MIN_MEAN = 16  # mean assignments per expert from which the CPU dispatch adds the capacity part
 CAPACITY_FACTOR = 1.25  # capacity rows per expert over the mean (rounded up to a multiple of 8)
 CAPACITY_MAX_BYTES = 256 << 20  # the most expert-weight bytes the capacity part may materialize (dequantized)
-OVERFLOW_BLOCK_ROWS = 16  # rows per block past the capacity (few assignments overflow: small blocks waste less)
+# rows per block past the capacity: few assignments overflow, so small blocks waste less; 0.75x-0.88x of the same
+# dispatch with blocks of block_rows at 160 and 640 tokens on three shapes (benchmarks/engine/moe_dispatch/epyc_decode)
+OVERFLOW_BLOCK_ROWS = 16
 
 
 def capacity_rows(num_assignments: int, num_experts: int) -> int:
@@ -143,30 +145,14 @@ def _stack_bytes(p: MoEParams, cfg: ModelConfig, d: int, dtype: Any) -> int:
     return 3 * cfg.num_experts * d * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
 
 
-def small_capacity_rows(num_assignments: int, num_experts: int) -> int:
-    """Rows per expert of the capacity part below ``CAPACITY_MIN_MEAN`` (decode sizes) from one assignment per
-    expert on, for float expert stacks read in place: the mean assignments per expert rounded up to a power of two,
-    at least 4. Side by side on XLA:CPU (one MoE layer; the race's shape E=16 k=4, the default model's E=8 k=2,
-    the ~15M shape) it took 0.70x-0.95x of the blocks alone (whose every block copies its expert's weights out of
-    the stack) from 4 to 32 tokens on the first two and 8 to 32 on the third; with fewer assignments than experts
-    the blocks were as fast or faster (1 token: 0.13 vs 0.27 ms on the race's shape)."""
-    mean = max(1.0, num_assignments / num_experts)
-    return max(4, 2 ** int(np.ceil(np.log2(mean))))
-
-
 def default_cap(p: MoEParams, cfg: ModelConfig, num_tokens: int, d: int, dtype: Any) -> int:
     """The capacity :func:`blocked_experts` uses by default for ``num_tokens`` tokens of width ``d`` in ``dtype``:
-    :func:`capacity_rows`, or at decode sizes :func:`small_capacity_rows` where the stacks are float arrays of
-    ``dtype`` (quantized stacks would be expanded whole each step: blocks only) and the assignments at least as
-    many as the experts; 0 (blocks only) where the expert stacks it would expand exceed ``CAPACITY_MAX_BYTES``."""
-    stack = _stack_bytes(p, cfg, d, dtype)
-    if stack > CAPACITY_MAX_BYTES:
+    :func:`capacity_rows`, or 0 (blocks only) where the expert stacks it would expand exceed ``CAPACITY_MAX_BYTES``.
+    (A small capacity part at decode sizes was tried and measured 0.89x-1.71x of the blocks alone from 4 to 32
+    tokens, slower on the ~15M shape: ``benchmarks/engine/moe_dispatch/epyc_decode_small_cap.md``.)"""
+    if _stack_bytes(p, cfg, d, dtype) > CAPACITY_MAX_BYTES:
         return 0
-    m = num_tokens * cfg.num_experts_per_tok
-    rows = capacity_rows(m, cfg.num_experts)
-    if rows == 0 and stack == 0 and m >= cfg.num_experts:  # fewer: the blocks read only the experts used
-        return small_capacity_rows(m, cfg.num_experts)
-    return rows
+    return capacity_rows(num_tokens * cfg.num_experts_per_tok, cfg.num_experts)
 
 
 def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.Array, idx: jax.Array,

@@ -86,20 +86,6 @@ def test_blocked_experts_every_token_on_the_same_experts(cap, bt):
                                M.dense_experts(p, MLA, x, w, idx)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_decode_sizes_use_a_small_capacity_for_float_stacks_only():
-    """Below ``CAPACITY_MIN_MEAN`` float stacks get a power-of-two capacity of at least 4 (read in place), quantized
-    ones none (they would be expanded whole); the output equals every expert on every token either way."""
-    p, x, w, idx = _moe_inputs(MLA, 12, seed=5)
-    q = p.replace(w_gate=quantize_int4(p.w_gate, 8), w_up=quantize_int4(p.w_up, 8), w_down=quantize_int4(p.w_down, 8))
-    assert M.capacity_rows(24, 8) == 0 and M.small_capacity_rows(24, 8) == 4 and M.small_capacity_rows(80, 8) == 16
-    assert M.default_cap(p, MLA, 12, MLA.hidden_size, jnp.float32) == 4
-    assert M.default_cap(q, MLA, 12, MLA.hidden_size, jnp.float32) == 0
-    assert M.default_cap(p, MLA, 3, MLA.hidden_size, jnp.float32) == 0  # 6 assignments, 8 experts: blocks only
-    for params in (p, q):
-        np.testing.assert_allclose(M.blocked_experts(params, MLA, x, w, idx)[0],
-                                   M.dense_experts(params, MLA, x, w, idx)[0], rtol=1e-5, atol=1e-5)
-
-
 def test_capacity_part_bounded_by_the_bytes_it_materializes(monkeypatch):
     """Float weights in the activations' dtype are read in place (nothing materialized); quantized stacks are
     expanded whole by the capacity part, so past ``CAPACITY_MAX_BYTES`` the dispatch keeps to the blocks."""
@@ -289,8 +275,10 @@ def test_moe_dispatch_benchmark_point(weights):
 
     r = moe_dispatch.measure(MLA, 300, repeats=2, weights=weights)
     assert r["cap"] == M.capacity_rows(600, MLA.num_experts) > 0 and r["moe_layers"] == 1
-    assert len(r["ms"]["blocks"]) == len(r["ms"]["capacity"]) == len(r["ratio"]) == 2
+    assert len(r["ms"]["blocks"]) == len(r["ms"]["capacity"]) == len(r["ms"]["capacity_wide"]) == len(r["ratio"]) == 2
     assert all(t > 0 for t in r["ms"]["blocks"] + r["ms"]["capacity"]) and r["rel_diff"] < 1e-5
+    assert r["overflow_rows"] == min(r["block_rows"], M.OVERFLOW_BLOCK_ROWS) and len(r["ratio_wide"]) == 2
     md = moe_dispatch.markdown({"label": "t", "repeats": 2, "weights": weights, "rows": [{"model": "mla", **r}],
                                 "environment": {"load_average_1m_5m_15m": [0, 0, 0]}})
-    assert f"| mla | 300 | {r['cap']} | {r['block_rows']} |" in md and f"Weights: {weights}" in md
+    assert f"| mla | 300 | {r['cap']} | {r['block_rows']} | {r['overflow_rows']} |" in md
+    assert f"Weights: {weights}" in md
