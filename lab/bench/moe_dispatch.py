@@ -3,11 +3,11 @@
 A chain of a model's MoE layers (routing, routed and shared experts, the residual added between layers; one jit per
 arm) runs on ``tokens`` random rows per point, the three arms interleaved in every repeat with the order
 alternating: ``blocks`` (``cap=0``: every assignment through the loop over one-expert blocks, the dispatch at decode
-sizes) and ``capacity`` (the default ``cap = moe.default_cap(...)``: each expert's first ``cap`` assignments in one
-batched FFN over all experts, the overflow through the blocks; at decode sizes, float stacks, a small power-of-two
-capacity), and ``capacity_wide`` (the same, the overflow in blocks of ``block_rows`` rows). Reports ms per chain
-(median [min, max]), the per-repeat ratio capacity / blocks, and the largest difference of the outputs relative to
-the output's scale (the arms differ only in where each assignment's FFN runs).
+sizes), ``capacity`` (the default ``cap = moe.default_cap(...)``: each expert's first ``cap`` assignments in one
+batched FFN over all experts, the overflow through the blocks), and ``capacity_wide`` (the same, the overflow in
+blocks of ``block_rows`` rows). Reports ms per chain (median [min, max]), the per-repeat ratio capacity / blocks,
+and the largest difference of the outputs relative to the output's scale (the arms differ only in where each
+assignment's FFN runs).
 
     python -m lab.bench.moe_dispatch --out benchmarks/engine/moe_dispatch/xeon_260mb
 """

@@ -367,8 +367,7 @@ class Engine:
         t0 = time.perf_counter()
         for group in self.prefill.groups(chunks):
             try:
-                self._inflight.append(InFlight(group, [c.seq.admitted_order for c in group],
-                                               self.prefill.launch(group)))
+                self._inflight.append(self._launch(group))
             except Exception as e:
                 self._retry_prefill(group, e, events)
         self.metrics.prefill_time += time.perf_counter() - t0
@@ -399,13 +398,16 @@ class Engine:
                 if part:
                     self._launch_now(part, events)
 
+    def _launch(self, group: list[Chunk]) -> InFlight:
+        return InFlight(group, [c.seq.admitted_order for c in group], self.prefill.launch(group))
+
     def _launch_now(self, group: list[Chunk], events: list) -> None:
         try:
-            launched = self.prefill.launch(group)
+            f = self._launch(group)
         except Exception as e:
             self._retry_prefill(group, e, events)
             return
-        self._finish_prefill(InFlight(group, [c.seq.admitted_order for c in group], launched), events)
+        self._finish_prefill(f, events)
 
     def _finish_prefill(self, f: InFlight, events: list) -> None:
         """One launched group's results: each current row's chunk counted, its prompt logprobs recorded, finished

@@ -160,7 +160,7 @@ def blocked_experts(p: MoEParams, cfg: ModelConfig, x: jax.Array, weights: jax.A
     """Capacity plus sorted blocks (the CPU's dispatch at every token count); exact.
 
     The N*k assignments are sorted by expert. Each expert's first ``cap`` assignments (:func:`default_cap` by default: 0
-    at decode sizes for quantized stacks, and when the dequantized expert stacks would exceed ``CAPACITY_MAX_BYTES``) go
+    at decode sizes, and when the dequantized expert stacks would exceed ``CAPACITY_MAX_BYTES``) go
     into an [E, cap, D] buffer run through one batched FFN that reads every expert's weights in place (float weights of
     the activations' dtype; quantized ones expanded whole). The rest (all of them when ``cap`` is 0) are laid out in
     blocks of ``bt`` rows (:func:`block_rows`, at most ``OVERFLOW_BLOCK_ROWS`` past a capacity), each block holding one
