@@ -183,6 +183,13 @@ class EngineLoop:
         return fut
 
     @property
+    def queued(self) -> int:
+        """Items waiting in the inbox (submissions, cancels, calls) that the loop thread has not taken yet. While a
+        :meth:`run_exclusive` call holds the loop, submissions wait here and are all admitted by its next
+        iteration, before one engine step: a burst admitted together, whatever the arrival times."""
+        return self._inbox.qsize()
+
+    @property
     def native_id(self) -> int | None:
         """The loop thread's OS thread id (per-thread CPU accounting)."""
         return self._thread.native_id
