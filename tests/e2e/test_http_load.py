@@ -25,6 +25,7 @@ OVERRIDES = ["model=tiny_mla", "+model.overrides.num_hidden_layers=1", "+model.o
              "workload.waves=2", "experiment.repeats=1", "experiment.headline_concurrency=2", "engine.max_batch=2"]
 
 
+@pytest.mark.slow  # ~1.5 min of CPU (six arms, two processes): run by `pytest -m slow` (README)
 def test_http_load_runs_every_arm_and_reports_the_ratio(tmp_path):
     usable = os.sched_getaffinity(0)
     front = max(usable)  # the http-frontend arm moves uvicorn's thread here for its runs

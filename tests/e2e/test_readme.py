@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -89,6 +91,7 @@ def test_engine_quickstart_example_aborts_only_the_corrupted_request():
     assert "all free again: True" in out.stdout
 
 
+@pytest.mark.slow  # ~50 s; tests/e2e/test_server_replicas.py checks the same path in the default run
 def test_server_replicas_example_streams_the_in_process_tokens_from_both_replicas():
     out = subprocess.run([sys.executable, "examples/server_replicas.py"], cwd=ROOT, env=one_device_env(),
                          capture_output=True, text=True, timeout=600)

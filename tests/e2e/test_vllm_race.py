@@ -117,6 +117,7 @@ def test_run_refuses_a_missing_vllm_executable(tmp_path):
 
 def test_generated_checkpoint_greedy_tokens_match_phaseserve(tmp_path):
     """The experiment's model recipe, shrunk (2 layers): transformers' greedy tokens equal phaseserve's forward."""
+    import jax
     import jax.numpy as jnp
 
     import phaseserve as ps
@@ -128,10 +129,11 @@ def test_generated_checkpoint_greedy_tokens_match_phaseserve(tmp_path):
     prompts = vr.greedy_prompts(2, 16, seed=0)
     want = vr.hf_greedy(ckpt, prompts, 8)
     cfg, params = ps.load_checkpoint(str(ckpt), dtype="float32")
+    forward = jax.jit(lambda prm, t: ps.forward(prm, cfg, t))
     for p, w in zip(prompts, want, strict=True):
-        toks = list(p)
-        for _ in range(8):
-            toks.append(int(ps.forward(params, cfg, jnp.array([toks]))[0, -1].argmax()))
+        toks = list(p) + [0] * 8  # one shape for every step: causal, so the right padding never reaches position n-1
+        for n in range(len(p), len(p) + 8):
+            toks[n] = int(forward(params, jnp.array([toks]))[0, n - 1].argmax())
         assert toks[len(p):] == w
     # the experiment's greedy check through a phaseserve server: by token ids (vLLM's return_token_ids)
     from phaseserve.data.tokenizer import load_tokenizer

@@ -191,7 +191,8 @@ def test_answer_mask_and_weights():
     want = np.concatenate([np.r_[np.zeros(len(e.prompt_ids(TOK))), np.ones(len(e.completion_ids(TOK)))]
                            for e in exs]).astype(bool)
     np.testing.assert_array_equal(mask, want)
-    mix = Mixture(batch_size=6, seq_len=128, tool_fraction=0.5, seed=random.randrange(1000), tool_mix="single",
+    # 32 rows: with tool_fraction 0.5 both kinds of row appear but with probability 2 * 2**-32 (6 rows: ~3%)
+    mix = Mixture(batch_size=32, seq_len=128, tool_fraction=0.5, seed=random.randrange(1000), tool_mix="single",
                   answer_weight=2.0, prompt_weight=0.25)
     tokens, w = mix.batch(3)
     tgt = tokens[:, 1:]
