@@ -59,6 +59,7 @@ import jax
 
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ConfigError, ModelConfig, ServeConfig, canonical_dtype
+from phaseserve.engine.compiled import memory_map_use
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_pool
 from phaseserve.engine.request import (
@@ -78,6 +79,7 @@ from phaseserve.engine.scheduler import Chunk, Scheduler
 from phaseserve.engine.workers import Launched, PhaseWorkers, local_workers
 from phaseserve.model.params import Params
 
+MAP_USE_STOP = 0.8  # Engine.warm_up stops at this share of the memory-map limit (engine.compiled.memory_map_use)
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
 
 
@@ -595,17 +597,24 @@ class Engine:
         the handoff's chunk sizes (:meth:`warm_handoff`), every padded prefill group (rows x chunk x page-table
         width, :meth:`PrefillWorker.shapes`) and every padded decode batch (rows x width, with its integrity
         check). The shapes are the engine's buckets (powers of two, widths of :func:`width_bucket`), so their
-        number grows with the log of ``max_batch``, ``max_prefill_tokens`` and the context. Returns the counts."""
+        number grows with the log of ``max_batch``, ``max_prefill_tokens`` and the context. Returns the counts.
+
+        Decode shapes first (every step runs one), then prefill's. It stops compiling once the process holds
+        :data:`MAP_USE_STOP` of the kernel's memory-map limit (:func:`memory_map_use`): a CPU process past it
+        segfaults in the next compile. ``shapes_left`` counts the shapes it left to compile on first use."""
         rows, chunk = self.max_batch, min(self.serve.max_prefill_tokens, self.limits.max_context)
         pages = min(self.limits.max_pages, -(-self.limits.max_context // self.serve.cache.page_size))
-        prefill, decode = self.prefill.shapes(rows, chunk, pages), self.decode.shapes(rows, pages)
-        for shape in prefill:
-            self.prefill.warm(*shape)
-        for shape in decode:
-            self.decode.warm(*shape)
+        todo = [("decode_shapes", s) for s in self.decode.shapes(rows, pages)]
+        todo += [("prefill_shapes", s) for s in self.prefill.shapes(rows, chunk, pages)]
+        done = {"prefill_shapes": 0, "decode_shapes": 0}
+        for phase, shape in todo:
+            if (use := memory_map_use()) is not None and use >= MAP_USE_STOP:
+                break
+            (self.decode if phase == "decode_shapes" else self.prefill).warm(*shape)
+            done[phase] += 1
         handoff = self.warm_handoff()
-        return {"prefill_shapes": len(prefill), "decode_shapes": len(decode), "handoff_sizes": handoff,
-                "tag_sync_sizes": self.decode.warm_tags()}
+        return {**done, "handoff_sizes": handoff, "tag_sync_sizes": self.decode.warm_tags(),
+                "shapes_left": len(todo) - sum(done.values())}
 
     def reset_metrics(self) -> None:
         """Start a new measurement run: clear the run counters and the finished outputs (nothing in flight)."""

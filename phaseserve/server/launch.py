@@ -115,6 +115,11 @@ def warm_up(backends: list, mode: str) -> None:
         print(f"phaseserve: warm-up {mode}: compiled {what} per engine in {time.perf_counter() - t0:.1f} s"
               + ("" if mode == "all" else "; other shapes compile on first use (experiment.warmup=all)"),
               flush=True)
+        if counts.get("shapes_left"):
+            print(f"phaseserve: warm-up stopped with {counts['shapes_left']} shapes left (they compile on first use): "
+                  "the process holds most of the kernel's memory-map limit (vm.max_map_count), past which the next "
+                  "XLA CPU compile crashes; raise it (sysctl -w vm.max_map_count=262144) to warm every shape",
+                  flush=True)
 
 
 def serve(cfg: DictConfig) -> None:

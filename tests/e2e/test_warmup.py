@@ -87,3 +87,34 @@ def test_the_cpu_default_warm_up_still_compiles_the_tag_updates(tmp_path):
     before = _set_tags_donated._cache_size()
     warm_up([EngineBackend(eng)], "none")
     assert _set_tags_donated._cache_size() - before == eng.decode.warm_tags() > 0
+
+
+def test_warm_up_stops_short_of_the_memory_map_limit(monkeypatch, tmp_path):
+    """Past the kernel's memory-map limit the next XLA CPU compile segfaults (measured: ~140 prefill shapes of the
+    race's model reach the default 65,530 maps), so warm-up stops at ``MAP_USE_STOP`` of it, decode shapes first, and
+    says how many it left; the engine then compiles those on first use and serves the same tokens."""
+    from phaseserve.engine import compiled
+    from phaseserve.engine import engine as engine_module
+
+    use = compiled.memory_map_use()
+    assert use is not None and 0 < use < engine_module.MAP_USE_STOP  # this Linux process, far from the limit
+    _, cfg, params = make_checkpoint("llama", tmp_path, seed=3)
+    serve = serve_config("disaggregated", page_size=16, num_pages=12, max_batch=2, max_context=64,
+                         max_prefill_tokens=32)
+    calls = []
+
+    def fake_use():  # the limit is reached after three shapes
+        calls.append(1)
+        return 0.5 if len(calls) <= 3 else 0.85
+
+    monkeypatch.setattr(engine_module, "memory_map_use", fake_use)
+    eng = ps.Engine(cfg, params, serve)
+    counts = eng.warm_up()
+    assert counts["decode_shapes"] == 2 and counts["prefill_shapes"] == 1 and counts["shapes_left"] == 2, counts
+    monkeypatch.undo()
+    rng = np.random.default_rng(1)
+    reqs = [Request(id=f"m{i}", prompt=rng.integers(0, cfg.vocab_size, n).tolist(), max_tokens=5, ignore_eos=True)
+            for i, n in enumerate((3, 40))]
+    got = [o.tokens for o in eng.generate(reqs)]
+    want = [o.tokens for o in ps.Engine(cfg, params, serve).generate(reqs)]
+    assert got == want and all(len(t) == 5 for t in got)
