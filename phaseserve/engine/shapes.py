@@ -87,8 +87,12 @@ def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, 
     """Every ``(rows, chunk, page-table width)`` a prefill group can be padded to, for groups of up to ``max_rows``
     chunks of up to ``max_chunk`` tokens of requests holding up to ``max_pages`` pages (:func:`chunk_groups` keeps
     rows x chunk within ``max_prefill_tokens``; a chunk of ``c`` tokens past a prefix or an earlier chunk may need
-    any wider table)."""
-    cap, out, shortest = min(tables.page_table.shape[1], max_pages), [], {}
+    any wider table).
+
+    Ordered for a warm-up that may stop early (``Engine.warm_up``): first every ``(rows, chunk)`` at the narrowest
+    table its chunk length can have (a fresh prompt prefilled in one chunk, no prefix hit), by chunk then rows; then
+    the wider tables (prefix hits, later chunks of long prompts)."""
+    cap, fresh, wider, shortest = min(tables.page_table.shape[1], max_pages), [], [], {}
     for n in range(max(max_chunk, 1), 0, -1):  # each padded length's shortest chunk
         shortest[chunk_bucket(n)] = n
     for c in sorted(shortest):
@@ -96,8 +100,9 @@ def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, 
         widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
         for b in batch_buckets(max_rows):
             if b * c <= max(max_prefill_tokens, c):
-                out += [(b, c, w) for w in widths]
-    return out
+                fresh.append((b, c, widths[0]))
+                wider += [(b, c, w) for w in widths[1:]]
+    return fresh + wider
 
 
 def decode_shapes(tables: PageTables, max_rows: int, max_pages: int) -> list[tuple[int, int]]:

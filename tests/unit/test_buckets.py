@@ -36,3 +36,22 @@ def test_every_padded_group_shape_is_warmed(max_chunk, page_size, n, start, rows
     shapes = set(prefill_shapes(tables, page_size, budget, 8, max_chunk, cap))
     need = -(-(start + n) // page_size)
     assert (bucket(rows), c, min(bucket(need, 4), cap)) in shapes
+
+
+@settings(max_examples=40, deadline=None)
+@given(max_chunk=st.integers(1, 700), page_size=st.sampled_from([4, 16]), n=st.integers(1, 700),
+       rows=st.integers(1, 8), budget=st.sampled_from([256, 1024, 2048]))
+def test_fresh_prompt_shapes_come_first(max_chunk, page_size, n, rows, budget):
+    """A warm-up that stops early (``Engine.warm_up`` at the memory-map limit) has compiled the shape of a group
+    of fresh prompts in one chunk each (no prefix hit): those shapes, one per (rows, chunk), lead the list."""
+    n = min(n, max_chunk)
+    c = chunk_bucket(n)
+    while rows > 1 and bucket(rows) * c > budget:
+        rows -= 1
+    cap = -(-max_chunk // page_size) + 8
+    tables = SimpleNamespace(page_table=np.zeros((1, cap), np.int32))
+    shapes = prefill_shapes(tables, page_size, budget, 8, max_chunk, cap)
+    lead = len({(b, c) for b, c, _ in shapes})
+    assert len(set(shapes)) == len(shapes)
+    assert (bucket(rows), c, min(bucket(-(-n // page_size), 4), cap)) in shapes[:lead]
+    assert len({(b, c) for b, c, _ in shapes[:lead]}) == lead  # one width each
