@@ -14,7 +14,14 @@ warmed server never compiles while serving.
     exe = cache.executable(use, concrete_args)   # compiled in place when ``use`` is not ready
 
 Counters (``stats``): ``exact`` (a ready executable of the shape), ``cover`` (ran on a larger ready shape),
-``inline`` (compiled in the caller), ``background`` (compiled by the background thread).
+``inline`` (compiled in the caller), ``background`` (compiled by the background thread), ``cover_at_limit``
+(covered, its own compile not queued: see below).
+
+The kernel's memory-map limit (:func:`memory_map_use`): every CPU executable holds hundreds of memory maps, and a
+process past Linux's ``vm.max_map_count`` segfaults in its next compile. From :data:`MAP_USE_STOP` of the limit a
+covered shape keeps running on its cover (no background compile), and from :data:`MAP_USE_REFUSE` a shape that
+must compile in the caller raises :class:`CompileLimitError` instead (the engine ends the requests of that batch
+with it, narrowing a failed batch down to single requests, and serves the rest).
 """
 
 from __future__ import annotations
@@ -30,6 +37,14 @@ import jax
 import numpy as np
 
 Key = tuple[int, ...]
+MAP_USE_STOP = 0.8  # warm-up stops, and covered shapes stop queueing their own compile, at this share of the limit
+MAP_USE_REFUSE = 0.95  # a compile in the caller is refused (CompileLimitError) from this share of the limit
+
+
+class CompileLimitError(RuntimeError):
+    """A shape had to be compiled while the process held most of the kernel's memory-map limit (``vm.max_map_count``):
+    the compile would crash the process. Raise the limit (``sysctl -w vm.max_map_count=262144``) or serve with
+    fewer compiled shapes (a smaller ``max_batch``, ``max_prefill_tokens`` or context)."""
 
 
 def memory_map_use() -> float | None:
@@ -37,7 +52,7 @@ def memory_map_use() -> float | None:
     this process holds; None where it cannot be read. Each CPU executable XLA loads maps its kernels one by one:
     ~400-470 maps per prefill shape of the race's 4-layer model (measured on 2026-12-06), so about 140 compiled shapes
     reach the default limit, and the next compile fails in LLVM ("Cannot allocate memory") and the process segfaults.
-    """
+    (Three maps per compiled kernel: code, read-only data, data.)"""
     try:
         limit = int(Path("/proc/sys/vm/max_map_count").read_text())
         with open("/proc/self/maps") as f:
@@ -79,6 +94,9 @@ class ShapeCache:
         cover = self.cover(key)
         if cover is None:
             return key
+        if (use := memory_map_use()) is not None and use >= MAP_USE_STOP:
+            self.stats["cover_at_limit"] += 1
+            return cover
         with self._lock:
             queue = key not in self._pending
             self._pending.add(key)
@@ -100,11 +118,16 @@ class ShapeCache:
                 self._pending.discard(key)
 
     def executable(self, key: Key, args: tuple) -> Any:
-        """``key``'s executable; compiled here from the concrete ``args`` when not ready yet."""
+        """``key``'s executable; compiled here from the concrete ``args`` when not ready yet (CompileLimitError from
+        :data:`MAP_USE_REFUSE` of the memory-map limit)."""
         exe = self._ready.get(key)
         if exe is not None:
             self.stats["exact"] += 1
             return exe
+        if (use := memory_map_use()) is not None and use >= MAP_USE_REFUSE:
+            raise CompileLimitError(f"the {self.name} step's shape {key} is not compiled, and this process holds "
+                                    f"{use:.0%} of the kernel's memory-map limit (vm.max_map_count): compiling it "
+                                    "would crash the process")
         exe = self.step.lower(*args).compile()
         self._ready[key] = exe
         self.stats["inline"] += 1

@@ -59,7 +59,7 @@ import jax
 
 from phaseserve.cache.paged import kv_bytes_per_token
 from phaseserve.config import ConfigError, ModelConfig, ServeConfig, canonical_dtype
-from phaseserve.engine.compiled import memory_map_use
+from phaseserve.engine.compiled import MAP_USE_STOP, memory_map_use
 from phaseserve.engine.handoff import InProcessHandoff
 from phaseserve.engine.metrics import RunMetrics, kernel_provenance, oversized_pool
 from phaseserve.engine.request import (
@@ -79,7 +79,6 @@ from phaseserve.engine.scheduler import Chunk, Scheduler
 from phaseserve.engine.workers import Launched, PhaseWorkers, local_workers
 from phaseserve.model.params import Params
 
-MAP_USE_STOP = 0.8  # Engine.warm_up stops at this share of the memory-map limit (engine.compiled.memory_map_use)
 KEEP_FINISHED = 1 << 16  # default Engine.keep_finished: finished outputs kept for summary() and lookups by id
 
 

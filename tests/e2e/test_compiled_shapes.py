@@ -102,3 +102,56 @@ def test_a_failed_background_compile_is_recorded_and_the_shape_then_compiles_in_
     assert cache.choose((4, 4), lambda k: ("abstract",)) == (4, 4)  # not queued again: compiled in the caller
     assert cache.executable((4, 4), ("concrete",)) == "exe" and cache.stats["inline"] == 2
     cache.close()
+
+
+class _CountingStep:
+    def __init__(self):
+        self.compiles = 0
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        self.compiles += 1
+        return f"exe{self.compiles}"
+
+
+def test_near_the_memory_map_limit_covers_stop_compiling_and_a_compile_is_refused(monkeypatch):
+    """From MAP_USE_STOP of the kernel's memory-map limit a covered shape runs on its cover without queueing its own
+    compile; from MAP_USE_REFUSE a shape with no cover raises CompileLimitError instead of compiling (which would
+    crash the process); ready shapes keep running."""
+    from phaseserve.engine import compiled
+
+    step = _CountingStep()
+    cache = ShapeCache(step, "t")
+    cache.executable((8, 8), ())
+    monkeypatch.setattr(compiled, "memory_map_use", lambda: 0.85)
+    assert cache.choose((4, 4), lambda k: ()) == (8, 8)
+    cache.wait()
+    assert not cache.ready((4, 4)) and cache.stats["cover_at_limit"] == 1 and cache.stats["background"] == 0
+    assert cache.executable((2, 2), ()) == "exe2"  # below the refusal: compiled in the caller
+    monkeypatch.setattr(compiled, "memory_map_use", lambda: 0.97)
+    with pytest.raises(compiled.CompileLimitError, match="memory-map limit"):
+        cache.executable((16, 16), ())
+    assert cache.executable((8, 8), ()) == "exe1" and step.compiles == 2
+    monkeypatch.setattr(compiled, "memory_map_use", lambda: 0.5)
+    assert cache.choose((4, 4), lambda k: ()) == (8, 8)  # under the limit: queued again
+    cache.wait()
+    assert cache.ready((4, 4)) and cache.stats["background"] == 1
+    cache.close()
+
+
+def test_a_shape_refused_at_the_map_limit_ends_only_its_request(setup, monkeypatch):
+    """Serving near the limit: the request whose prefill shape has no compiled cover ends with the typed error,
+    the one that fits a compiled shape gets transformers' greedy tokens."""
+    from phaseserve.engine import compiled
+
+    model, cfg, params = setup
+    engine = ps.Engine(cfg, params, serve_config("disaggregated", num_pages=96, page_size=4, max_batch=4))
+    engine.generate(_reqs(cfg, [13, 11], 3, seed=5))  # compiles prefill (2, 16, w) and decode (2, w)
+    monkeypatch.setattr(compiled, "memory_map_use", lambda: 0.97)
+    fits, too_long = _reqs(cfg, [10], 5, seed=6)[0], _reqs(cfg, [30], 5, seed=7)[0]
+    out = {o.id: o for o in engine.generate([fits, too_long])}
+    assert out[fits.id].tokens == hf_greedy(model, fits)
+    assert out[too_long.id].finish_reason == "error"
+    assert isinstance(out[too_long.id].error, compiled.CompileLimitError), out[too_long.id].error
