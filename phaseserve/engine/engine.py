@@ -591,7 +591,7 @@ class Engine:
         self.decode.block()
         return len(sizes)
 
-    def warm_up(self) -> dict[str, int]:
+    def warm_up(self, on_shape: Callable[[str, tuple, float], None] | None = None) -> dict[str, int]:
         """Compile every shape serving can run before any request arrives, so none compiles while requests wait:
         the handoff's chunk sizes (:meth:`warm_handoff`), every padded prefill group (rows x chunk x page-table
         width, :meth:`PrefillWorker.shapes`) and every padded decode batch (rows x width, with its integrity
@@ -600,7 +600,8 @@ class Engine:
 
         Decode shapes first (every step runs one), then prefill's. It stops compiling once the process holds
         :data:`MAP_USE_STOP` of the kernel's memory-map limit (:func:`memory_map_use`): a CPU process past it
-        segfaults in the next compile. ``shapes_left`` counts the shapes it left to compile on first use."""
+        segfaults in the next compile. ``shapes_left`` counts the shapes it left to compile on first use.
+        ``on_shape(phase, shape, seconds)`` is called after each shape compiles (``lab.bench.warmup_maps``)."""
         rows, chunk = self.max_batch, min(self.serve.max_prefill_tokens, self.limits.max_context)
         pages = min(self.limits.max_pages, -(-self.limits.max_context // self.serve.cache.page_size))
         todo = [("decode_shapes", s) for s in self.decode.shapes(rows, pages)]
@@ -609,8 +610,11 @@ class Engine:
         for phase, shape in todo:
             if (use := memory_map_use()) is not None and use >= MAP_USE_STOP:
                 break
+            t0 = time.perf_counter()
             (self.decode if phase == "decode_shapes" else self.prefill).warm(*shape)
             done[phase] += 1
+            if on_shape is not None:
+                on_shape(phase, shape, time.perf_counter() - t0)
         handoff = self.warm_handoff()
         return {**done, "handoff_sizes": handoff, "tag_sync_sizes": self.decode.warm_tags(),
                 "shapes_left": len(todo) - sum(done.values())}

@@ -109,8 +109,10 @@ def test_warm_up_stops_short_of_the_memory_map_limit(monkeypatch, tmp_path):
 
     monkeypatch.setattr(engine_module, "memory_map_use", fake_use)
     eng = ps.Engine(cfg, params, serve)
-    counts = eng.warm_up()
+    seen = []
+    counts = eng.warm_up(lambda phase, shape, seconds: seen.append((phase, shape, seconds)))
     assert counts["decode_shapes"] == 2 and counts["prefill_shapes"] == 1 and counts["shapes_left"] == 2, counts
+    assert [p for p, _, _ in seen] == ["decode_shapes"] * 2 + ["prefill_shapes"] and all(t > 0 for *_, t in seen)
     monkeypatch.undo()
     rng = np.random.default_rng(1)
     reqs = [Request(id=f"m{i}", prompt=rng.integers(0, cfg.vocab_size, n).tolist(), max_tokens=5, ignore_eos=True)
