@@ -73,6 +73,7 @@ class ShapeCache:
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"phaseserve-compile-{name}")
                       if background else None)
         self.stats: collections.Counter = collections.Counter()
+        self._capped: set[Key] = set()  # shapes met at MAP_USE_STOP: they run on their cover for good
         self.errors: dict[Key, BaseException] = {}  # background compiles that raised: the key then compiles in the
         # caller when next met (so its error reaches the request that needs it), never again in the background
 
@@ -94,7 +95,8 @@ class ShapeCache:
         cover = self.cover(key)
         if cover is None:
             return key
-        if (use := memory_map_use()) is not None and use >= MAP_USE_STOP:
+        if key in self._capped or ((use := memory_map_use()) is not None and use >= MAP_USE_STOP):
+            self._capped.add(key)  # read the maps once per key (a read of /proc/self/maps at the limit takes ms)
             self.stats["cover_at_limit"] += 1
             return cover
         with self._lock:

@@ -135,9 +135,11 @@ def test_near_the_memory_map_limit_covers_stop_compiling_and_a_compile_is_refuse
         cache.executable((16, 16), ())
     assert cache.executable((8, 8), ()) == "exe1" and step.compiles == 2
     monkeypatch.setattr(compiled, "memory_map_use", lambda: 0.5)
-    assert cache.choose((4, 4), lambda k: ()) == (8, 8)  # under the limit: queued again
+    assert cache.choose((4, 4), lambda k: ()) == (8, 8)  # met at the limit once: on its cover for good
+    assert cache.choose((2, 4), lambda k: ()) == (8, 8)  # a new shape under the limit: queued
     cache.wait()
-    assert cache.ready((4, 4)) and cache.stats["background"] == 1
+    assert cache.ready((2, 4)) and not cache.ready((4, 4)) and cache.stats["background"] == 1
+    assert cache.stats["cover_at_limit"] == 2
     cache.close()
 
 
