@@ -53,13 +53,19 @@ def memory_map_use() -> float | None:
     ~400-470 maps per prefill shape of the race's 4-layer model (measured on 2026-12-06), so about 140 compiled shapes
     reach the default limit, and the next compile fails in LLVM ("Cannot allocate memory") and the process segfaults.
     (Three maps per compiled kernel: code, read-only data, data.)"""
+    held = memory_maps()
+    return held[0] / held[1] if held is not None and held[1] > 0 else None
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's per-process limit ``vm.max_map_count``); None where Linux's
+    ``/proc`` cannot be read."""
     try:
         limit = int(Path("/proc/sys/vm/max_map_count").read_text())
         with open("/proc/self/maps") as f:
-            used = sum(1 for _ in f)
+            return sum(1 for _ in f), limit
     except (OSError, ValueError):
         return None
-    return used / limit if limit > 0 else None
 
 
 class ShapeCache:
