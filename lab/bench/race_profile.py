@@ -14,7 +14,9 @@ the batch, the jitted step, the tokens back to the host), the rest of ``Engine.s
 requests), handing tokens to the HTTP handlers (``deliver``) and the ``/metrics`` gauges (``on_step``). Per level it
 reports each phase's milliseconds per engine step and its share of the loop thread's wall time, the CPU seconds of the
 loop thread, of uvicorn's thread and of every other thread (XLA's pools), and per request the wait in the inbox
-(received -> arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk).
+(received -> arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk),
+and per prefill launch the time from its launch until its results are handled (the chunk step's compute, the wait
+for the engine step that collects it, the handoff and the first tokens emitted) and the prompt chunks it carried.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Timers:
         self.calls: dict[str, int] = {}
         self.durations: dict[str, list[float]] = {}
         self.rows = 0  # decode rows over every decode step
+        self.launches: dict[int, tuple[float, int]] = {}  # prefill launch -> (start, chunks), until collected
+        self.in_flight: list[tuple[float, int]] = []  # (launch -> results handled seconds, chunks) per launch
         self.events: list[tuple[str, float, float, bool]] = []  # (phase, start, seconds, in the p50) per call
 
     def wrap(self, obj: Any, attr: str, name: str, counts: Any = None) -> None:
@@ -63,7 +67,7 @@ class Timers:
         setattr(obj, attr, timed)
 
     def reset(self) -> None:
-        self.events, self.rows = [], 0
+        self.events, self.rows, self.in_flight = [], 0, []
 
     def clip(self, start: float, end: float) -> None:
         """Totals, calls and durations of the calls that overlap ``[start, end]``, each total cut to it (the idle
@@ -101,6 +105,22 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
 
     engine.decode.step = counted
     timers.wrap(engine.decode, "step", "decode.step")
+    launch, collect = engine._launch, engine._finish_prefill
+
+    def launched(group, *a, **kw):
+        f = launch(group, *a, **kw)
+        timers.launches[id(f)] = (time.perf_counter(), len(group))
+        return f
+
+    def collected(f, *a, **kw):
+        t0, n = timers.launches.pop(id(f), (None, 0))
+        try:
+            return collect(f, *a, **kw)
+        finally:
+            if t0 is not None:
+                timers.in_flight.append((time.perf_counter() - t0, n))
+
+    engine._launch, engine._finish_prefill = launched, collected
     finish = engine._finish
 
     def on_finish(seq, reason, error=None):
@@ -139,6 +159,8 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
         "prefill_collect_ms_p50": ms(timers.durations.get("prefill.collect", [])),
         "decode_step_ms_p50": ms(timers.durations.get("decode.step", [])),
         "decode_rows_mean": timers.rows / max(timers.calls.get("decode.step", 0), 1),
+        "prefill_in_flight_ms_p50": ms([s for s, _ in timers.in_flight]),  # launch -> first tokens emitted
+        "prefill_chunks_per_launch": sum(n for _, n in timers.in_flight) / max(len(timers.in_flight), 1),
         "inbox_wait_ms_p50": ms(inbox), "engine_ttft_ms_p50": ms(ttft),
         "client_ttft_ms_p50": bench["ttft_p50_ms"], "client_tpot_ms_p50": bench["tpot_p50_ms"],
         "output_tok_per_s": bench["output_tok_per_s"],
@@ -219,6 +241,8 @@ def markdown(levels: dict) -> str:
             ("requests", "requests", "{}"), ("decode rows per step (mean)", "decode_rows_mean", "{:.1f}"),
             ("step p50 ms", "step_ms_p50", "{:.2f}"), ("prefill.launch p50 ms", "prefill_launch_ms_p50", "{:.2f}"),
             ("prefill.collect p50 ms (calls that collected)", "prefill_collect_ms_p50", "{:.2f}"),
+            ("prefill launch -> first tokens emitted p50 ms", "prefill_in_flight_ms_p50", "{:.1f}"),
+            ("prompt chunks per prefill launch (mean)", "prefill_chunks_per_launch", "{:.2f}"),
             ("decode.step p50 ms", "decode_step_ms_p50", "{:.2f}"), ("inbox wait p50 ms", "inbox_wait_ms_p50",
                                                                      "{:.2f}"),
             ("engine TTFT p50 ms (arrival -> first token)", "engine_ttft_ms_p50", "{:.1f}"),
@@ -226,7 +250,7 @@ def markdown(levels: dict) -> str:
             ("client TPOT p50 ms (vllm bench)", "client_tpot_ms_p50", "{:.2f}")]
     lines += ["| per level | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for label, k, f in keys:
-        lines.append(f"| {label} | " + " | ".join("–" if levels[c][k] is None else f.format(levels[c][k])
+        lines.append(f"| {label} | " + " | ".join("–" if levels[c].get(k) is None else f.format(levels[c][k])
                                                    for c in cs) + " |")
     for k in next(iter(levels.values())).get("compiles", {}):
         lines.append(f"| {k} | " + " | ".join(str(levels[c].get("compiles", {}).get(k, "–")) for c in cs) + " |")

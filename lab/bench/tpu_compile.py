@@ -46,7 +46,7 @@ from phaseserve.cache.paged import init_pool, value_dtype
 from phaseserve.config import ModelConfig, canonical_dtype
 from phaseserve.engine.decode_step import DecodeBatch
 from phaseserve.engine.prefill_step import ChunkBatch
-from phaseserve.engine.shapes import bucket, chunk_bucket, width_bucket
+from phaseserve.engine.shapes import bucket, chunk_bucket, row_bucket, width_bucket
 from phaseserve.engine.workers import chunk_step_jit, decode_step_jit
 from phaseserve.quant.quantize import abstract_quantized, named_leaves, shape_dtype_tree, tensor_class
 from phaseserve.sharding import make_mesh, param_shardings, pool_shardings, replicated
@@ -244,7 +244,7 @@ def build_step(spec: StepSpec, cfg: ModelConfig, mesh, num_pages: int,
         pool = abstract_pool(cfg, num_pages, spec.page_size, spec.kv, mesh)
         step = decode_step_jit(cfg, mesh, jax.tree.map(lambda a: a.sharding, pool), hooks=IntegrityTracker,
                                matmul_impl="pallas", attn_impl="pallas", log=log)
-        b = bucket(spec.batch)
+        b = row_bucket(spec.batch)  # the engine's padded decode rows
         args = (params, pool, decode_batch(mesh, b, width_bucket(pages_per_row)), _rep(mesh, (b,), "bool"))
         return step, args
     pool = abstract_pool(cfg, num_pages, spec.page_size, spec.kv, mesh)
@@ -280,7 +280,7 @@ def compile_step(spec: StepSpec, num_layers: int, num_pages: int) -> dict[str, A
 
 def compile_check(spec: StepSpec, mesh, num_pages: int) -> dict[str, Any]:
     """The integrity layer's batched check (``check_tags``) compiled on the decode mesh."""
-    b, w = bucket(spec.batch), width_bucket(-(-spec.context // spec.page_size))
+    b, w = row_bucket(spec.batch), width_bucket(-(-spec.context // spec.page_size))
     args = (_rep(mesh, (num_pages,), "uint32"), _rep(mesh, (b, w), "int32"), _rep(mesh, (b, w), "uint32"),
             _rep(mesh, (b,), "int32"))
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from phaseserve.engine.decode_step import DecodeBatch
 from phaseserve.engine.prefill_step import ChunkBatch
 from phaseserve.engine.request import Sequence
 from phaseserve.engine.scheduler import Chunk
-from phaseserve.engine.shapes import bucket, chunk_bucket, width_bucket
+from phaseserve.engine.shapes import bucket, chunk_bucket, row_bucket, width_bucket
 
 
 def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
@@ -28,14 +28,19 @@ def sampling_rows(seqs: list[Sequence], b: int) -> dict[str, np.ndarray]:
     return dict(temperature=temp, top_k=top_k, top_p=top_p, seeds=seeds, steps=steps, want_logprobs=want)
 
 
-def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> ChunkBatch:
-    """The host inputs of one chunk step for ``group`` (padded to a power of two rows and :func:`chunk_bucket`
-    tokens; the page table as wide as the longest chunk needs, bucketed; ``targets``: each position's next prompt
-    token for the rows that asked for prompt logprobs, else -1)."""
-    b, c = bucket(len(group)), chunk_bucket(max(ch.n for ch in group))
+def chunk_key(group: list[Chunk], page_size: int, max_width: int) -> tuple[int, int, int]:
+    """The padded ``(rows, chunk, page-table width)`` of :func:`chunk_batch` for ``group``: a power of two rows,
+    :func:`chunk_bucket` tokens, the pages the longest chunk reaches to bucketed (at most ``max_width``)."""
     need = max(-(-(ch.start + ch.n) // page_size) for ch in group)
+    return bucket(len(group)), chunk_bucket(max(ch.n for ch in group)), min(bucket(need, 4), max_width)
+
+
+def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> ChunkBatch:
+    """The host inputs of one chunk step for ``group``, padded to :func:`chunk_key` (``targets``: each position's
+    next prompt token for the rows that asked for prompt logprobs, else -1)."""
+    b, c, w = chunk_key(group, page_size, tables.page_table.shape[1])
     pt, _, _ = tables.batch([ch.id for ch in group], pad_to=b)
-    pt = pt[:, : min(bucket(need, 4), pt.shape[1])]
+    pt = pt[:, :w]
     tokens, positions = np.zeros((b, c), np.int32), np.tile(np.arange(c, dtype=np.int32), (b, 1))
     valid, lengths, last = np.zeros((b, c), bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
     targets, want_prompt = np.full((b, c), -1, np.int32), np.zeros(b, bool)
@@ -53,9 +58,9 @@ def chunk_batch(tables: PageTables, page_size: int, group: list[Chunk]) -> Chunk
 
 
 def decode_inputs(tables: PageTables, rows: list[Sequence]) -> tuple[DecodeBatch, tuple]:
-    """The host inputs of one decode step for ``rows``: the batch (padded to a power of two rows, the page table
+    """The host inputs of one decode step for ``rows``: the batch (padded to :func:`row_bucket` rows, the page table
     as wide as the rows' pages, bucketed) and the integrity check's ``(page_table, expected_tags, num_live)``."""
-    b = bucket(len(rows))
+    b = row_bucket(len(rows))
     pt, expected, live = tables.batch([s.id for s in rows], pad_to=b)
     width = min(width_bucket(int(live.max(initial=1))), pt.shape[1])  # as wide as the rows' pages (bucketed)
     pt, expected = pt[:, :width], expected[:, :width]  # so the step reads what the rows hold, not the per-row cap

@@ -34,6 +34,7 @@ from phaseserve.cache.paged import clear_pages, init_pool
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
 from phaseserve.engine.batches import (
     chunk_batch,
+    chunk_key,
     decode_inputs,
     pad_chunk_batch,
     pad_decode_inputs,
@@ -166,7 +167,22 @@ class PrefillWorker:
                                    self._pool_sharding)
 
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
-        return chunk_groups(chunks, self.max_prefill_tokens)
+        """This step's chunks in launch groups (:func:`chunk_groups`); a group whose padded shape has no compiled
+        executable and no compiled cover is split in halves, down to parts that each have one (:meth:`_covered`),
+        so it runs at once on compiled shapes instead of waiting for a compile in the serving loop. A group no split
+        can cover (no shape compiled yet, nothing warmed) stays whole and compiles as before."""
+        return [part for g in chunk_groups(chunks, self.max_prefill_tokens) for part in self._covered(g) or [g]]
+
+    def _covered(self, group: list[Chunk]) -> list[list[Chunk]] | None:
+        """``group``, or its halves split further, each with a compiled shape or cover; None if no split has."""
+        key = chunk_key(group, self.page_size, self.tables.page_table.shape[1])
+        if self.steps.ready(key) or self.steps.cover(key) is not None:
+            return [group]
+        if len(group) == 1:
+            return None
+        half = len(group) // 2
+        a, b = self._covered(group[:half]), self._covered(group[half:])
+        return None if a is None or b is None else a + b
 
     def launch(self, group: list[Chunk]) -> Launched:
         """One chunk step for ``group`` (each request's pages already allocated), dispatched to the prefill mesh and

@@ -182,3 +182,7 @@ def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
     assert lv["prefill_collect_ms_p50"] == pytest.approx(1500.0)
     assert lv["engine_ttft_ms_p50"] == pytest.approx(300.0) and lv["inbox_wait_ms_p50"] == pytest.approx(55.0)
     assert "| prefill.collect | 1050.000 (26%) |" in rpf.markdown({1: lv})
+    timers.in_flight = [(0.02, 1), (0.04, 3), (0.03, 2)]  # (launch -> first tokens s, chunks) per launch
+    lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
+    assert lv["prefill_in_flight_ms_p50"] == pytest.approx(30.0) and lv["prefill_chunks_per_launch"] == 2.0
+    assert "| prompt chunks per prefill launch (mean) | 2.00 |" in rpf.markdown({1: lv})

@@ -267,6 +267,23 @@ def test_width_bucket_covers_the_pages_and_wastes_at_most_a_third():
     assert len(set(widths)) <= 2 * len({bucket(n, 4) for n in range(1, 1025)})
 
 
+def test_row_bucket_pads_a_decode_batch_by_at_most_a_third_above_8_rows():
+    """Decode rows: powers of two up to 8, then at most a third of the padded rows is padding (a power of two: up to
+    half, 17 rows run as 32), monotone, and every padded size is one :func:`decode_shapes` lists for warm-up."""
+    from types import SimpleNamespace
+
+    from phaseserve.engine.shapes import bucket, decode_shapes, row_bucket
+
+    rows = [row_bucket(n) for n in range(1, 257)]
+    assert rows[:8] == [1, 2, 4, 4, 8, 8, 8, 8] and row_bucket(17) == 24 and row_bucket(25) == 32
+    assert all(b >= n for n, b in enumerate(rows, 1)) and rows == sorted(rows)
+    assert max((b - n) / b for n, b in enumerate(rows, 1) if n > 8) < 1 / 3
+    assert len(set(rows)) <= 2 * len({bucket(n) for n in range(1, 257)})
+    for max_rows in (1, 5, 20, 32, 100):
+        listed = {b for b, _ in decode_shapes(SimpleNamespace(page_table=np.zeros((1, 8), np.int32)), max_rows, 8)}
+        assert listed == {row_bucket(n) for n in range(1, max_rows + 1)}, max_rows
+
+
 @pytest.mark.parametrize("weights", ["float32", "all-fp8"])
 def test_moe_dispatch_benchmark_point(weights):
     """The side-by-side benchmark of the capacity part: both arms timed every repeat, the same output, and the
