@@ -101,17 +101,23 @@ class ShapeCache:
         cover = self.cover(key)
         if cover is None:
             return key
+        self.stats["cover" if self.compile_later(key, abstract) else "cover_at_limit"] += 1
+        return cover
+
+    def compile_later(self, key: Key, abstract: Callable[[Key], tuple]) -> bool:
+        """Queue ``key``'s compile on the background thread (once); False, and never queued, from
+        :data:`MAP_USE_STOP` of the map limit (or without a background thread, or after its compile failed)."""
+        if key in self._ready or key in self.errors or self._pool is None:
+            return False
         if key in self._capped or ((use := memory_map_use()) is not None and use >= MAP_USE_STOP):
             self._capped.add(key)  # read the maps once per key (a read of /proc/self/maps at the limit takes ms)
-            self.stats["cover_at_limit"] += 1
-            return cover
+            return False
         with self._lock:
             queue = key not in self._pending
             self._pending.add(key)
         if queue:
             self._pool.submit(self._compile_later, key, abstract(key))
-        self.stats["cover"] += 1
-        return cover
+        return True
 
     def _compile_later(self, key: Key, args: tuple) -> None:
         try:

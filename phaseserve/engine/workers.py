@@ -169,9 +169,21 @@ class PrefillWorker:
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """This step's chunks in launch groups (:func:`chunk_groups`); a group whose padded shape has no compiled
         executable and no compiled cover is split in halves, down to parts that each have one (:meth:`_covered`),
-        so it runs at once on compiled shapes instead of waiting for a compile in the serving loop. A group no split
-        can cover (no shape compiled yet, nothing warmed) stays whole and compiles as before."""
-        return [part for g in chunk_groups(chunks, self.max_prefill_tokens) for part in self._covered(g) or [g]]
+        so it runs at once on compiled shapes instead of waiting for a compile in the serving loop, while its own
+        shape compiles in the background for later groups. A group no split can cover (no shape compiled yet, nothing
+        warmed) stays whole and compiles as before."""
+        out = []
+        for g in chunk_groups(chunks, self.max_prefill_tokens):
+            parts = self._covered(g) or [g]
+            if len(parts) > 1:
+                self.steps.compile_later(chunk_key(g, self.page_size, self.tables.page_table.shape[1]),
+                                         self._abstract_step)
+            out += parts
+        return out
+
+    def _abstract_step(self, key: tuple[int, int, int]) -> tuple:
+        """The chunk step's arguments at padded shape ``key`` as ``jax.ShapeDtypeStruct`` trees (background compile)."""
+        return (*self._abstract, abstract(warm_chunk_batch(*key)))
 
     def _covered(self, group: list[Chunk]) -> list[list[Chunk]] | None:
         """``group``, or its halves split further, each with a compiled shape or cover; None if no split has."""
@@ -199,7 +211,7 @@ class PrefillWorker:
         on a larger compiled one while it compiles in the background
         (:class:`~phaseserve.engine.compiled.ShapeCache`); ``exact``: compile this shape now if needed (warm-up)."""
         key = (*batch.tokens.shape, batch.page_table.shape[1])
-        use = key if exact else self.steps.choose(key, lambda k: (*self._abstract, abstract(warm_chunk_batch(*k))))
+        use = key if exact else self.steps.choose(key, self._abstract_step)
         if use != key:
             batch = pad_chunk_batch(batch, *use)
         step = self.steps.executable(use, (self.params, self.pool, batch))
