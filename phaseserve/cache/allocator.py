@@ -34,13 +34,22 @@ Shared prefixes: :meth:`PageAllocator.share` adds a reference *without* changing
 shared page records the same tag and one device tag covers all of them. A page's tag is cleared to 0 only when its
 last reference is dropped, which makes any stale reference to a free page fail the integrity check.
 
+Retained prefixes: a freed page keeps its KV in the pool until it is allocated again, so the scheduler's prefix index
+may still point at it. The allocator remembers the tag a page had when its last reference was dropped
+(``retired``) until the page is allocated again (its KV about to be overwritten) or :meth:`PageAllocator.forget`
+says its KV is gone (scrubbed); :meth:`PageAllocator.holds` answers "does page p still hold what it held under tag
+t". A prefix hit on such a page takes it back out of the free queue with :meth:`PageAllocator.revive`, under a
+*fresh* tag (a stale record of its old owner still fails the check). Free pages with retained KV stay in the free
+queue, so they count as free and are overwritten in LRU order when nothing older is left: the prefix cache lives in
+the pool's otherwise idle pages and never makes an allocation fail.
+
 Device tag updates are not pushed one by one: the allocator keeps a small dict of pending ``page -> tag`` changes
 (last write wins, bounded by ``num_pages``) that the integrity tracker drains once per decode step.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -68,11 +77,11 @@ class UnknownRequestError(AllocatorError):
 class PageAllocator:
     """Reference-counted, tagged physical pages with an LRU free queue.
 
-    Free queue: a ``collections.deque``; allocation pops the head, free appends at the tail, so the least recently
-    freed pages are the ones overwritten first. Nothing ever takes a page out of the middle (prefix hits are only
-    honoured on pages a live request still holds), so a linked list with O(1) removal would not earn its lines.
-    :class:`PageTables` frees a request's pages tail-first so the end of a sequence (least likely to be a shared
-    prefix) is reused before its start. ``_in_queue bool[num_pages]`` answers "is this page free" in O(1).
+    Free queue: an insertion-ordered dict used as a queue with O(1) removal from the middle; allocation pops the
+    head, free appends at the tail, so the least recently freed pages are the ones overwritten first, and a prefix
+    hit on a freed page (:meth:`revive`) takes it out wherever it is. :class:`PageTables` frees a request's pages
+    tail-first so the end of a sequence (least likely to be a shared prefix) is reused before its start.
+    ``_in_queue bool[num_pages]`` answers "is this page free" in O(1).
     """
 
     def __init__(self, num_pages: int, *, first_tag: int = 1):
@@ -81,7 +90,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self.refcount = np.zeros(num_pages, np.int32)  # i32[num_pages]
         self.tags = np.zeros(num_pages, np.uint32)  # u32[num_pages]; 0 = free / null
-        self._free: deque[int] = deque(range(1, num_pages))  # pages 1..N-1 in id order; the null page never
+        self.retired = np.zeros(num_pages, np.uint32)  # u32[num_pages] a free page's last tag while its KV is intact
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))  # 1..N-1; never the null page
         self._in_queue = np.ones(num_pages, bool)  # bool[num_pages]
         self._in_queue[NULL_PAGE] = False
         self._next_tag = 1
@@ -153,12 +163,39 @@ class PageAllocator:
             return None
         out = []
         for _ in range(n):
-            p = self._free.popleft()
+            p, _ = self._free.popitem(last=False)
             self._in_queue[p] = False
+            self.retired[p] = 0  # its KV is about to be overwritten
             self.refcount[p] = 1
             self._set_tag(p, self._fresh_tag())
             out.append(p)
         return out
+
+    def holds(self, page: int, tag: int) -> bool:
+        """Whether ``page`` still holds the KV it held under ``tag``: allocated with that tag, or freed with it and
+        neither allocated again nor forgotten since."""
+        if tag == 0:
+            return False
+        return bool(self.tags[page] == tag if self.refcount[page] > 0 else self.retired[page] == tag)
+
+    def revive(self, pages: list[int]) -> None:
+        """Take free pages whose KV is intact (a prefix hit, :meth:`holds`) back out of the free queue, each with
+        refcount 1 and a fresh tag. Raises (changing nothing) for a page that is allocated or whose KV is gone."""
+        self._validate(pages)
+        for p in pages:
+            if self.refcount[p] > 0 or self.retired[p] == 0:
+                raise DoubleFreeError(f"cannot revive page {p}: it is allocated or holds no retained KV")
+        for p in pages:
+            del self._free[p]
+            self._in_queue[p] = False
+            self.retired[p] = 0
+            self.refcount[p] = 1
+            self._set_tag(p, self._fresh_tag())
+
+    def forget(self, pages: list[int]) -> None:
+        """The KV of these pages is gone (scrubbed, or the pool rebuilt): no prefix hit may revive them once free."""
+        self._validate(pages)
+        self.retired[pages] = 0
 
     def share(self, pages: list[int]) -> None:
         """One more reference to each (allocated) page, for a request that shares a prompt prefix; tags unchanged."""
@@ -187,8 +224,9 @@ class PageAllocator:
         for p in pages:
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
+                self.retired[p] = self.tags[p]
                 self._set_tag(p, 0)
-                self._free.append(p)
+                self._free[p] = None
                 self._in_queue[p] = True
                 released.append(p)
         return released
@@ -216,6 +254,7 @@ class PageAllocator:
         orphan[NULL_PAGE] = False
         assert not orphan.any(), f"pages neither free nor owned (leaked): {np.nonzero(orphan)[0]}"
         assert (self.tags[~owned] == 0).all(), "a free page has a nonzero tag"
+        assert (self.retired[owned] == 0).all(), "an allocated page has a retired tag"
         held = self.tags[owned]
         assert (held != 0).all(), "an owned page has tag 0"
         assert len(np.unique(held)) == len(held), "two owned pages share a tag"
@@ -290,11 +329,16 @@ class PageTables:
         return need <= 0 or self.allocate(rid, need) is not None
 
     def share(self, rid: str, pages: list[int]) -> None:
-        """Append already-allocated pages (another request's prefix) to ``rid``, recording their current tags."""
+        """Append prefix pages to ``rid``, recording their current tags: pages another request holds get one more
+        reference; free pages whose KV is retained (:meth:`PageAllocator.holds`) are revived under fresh tags."""
         s = self._slot(rid)
         if self.count[s] + len(pages) > self.max_pages:
             raise ValueError(f"request {rid!r} would exceed max_pages_per_seq={self.max_pages}")
-        self.allocator.share(pages)
+        a = self.allocator
+        a._validate(pages)
+        held = [p for p in pages if a.refcount[p] > 0]
+        a.revive([p for p in pages if a.refcount[p] == 0])  # checks every page before it changes any
+        a.share(held)
         self._append(s, pages)
 
     def release(self, rid: str) -> list[int]:

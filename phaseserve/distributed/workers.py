@@ -5,7 +5,7 @@
 unchanged. Each keeps this phase's page allocator and page tables in the engine's process (the scheduler admits,
 grows, preempts and releases against them as in process) and builds each step's batch with the same functions the
 local workers use (:func:`~phaseserve.engine.batches.chunk_batch`, :func:`~phaseserve.engine.batches.decode_inputs`,
-:func:`~phaseserve.engine.workers.pages_to_scrub`); only arrays and page ids go to the actor
+:func:`~phaseserve.engine.workers.scrub_after_step`); only arrays and page ids go to the actor
 (:class:`~phaseserve.distributed.actor.PhaseActor`).
 
 A payload between the phases is a :class:`Staged` descriptor, not arrays: ``export`` stages the pages in the
@@ -36,7 +36,7 @@ from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_bat
 from phaseserve.engine.request import Limits, Sequence
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import chunk_groups, decode_shapes, prefill_shapes
-from phaseserve.engine.workers import DecodeWorker, Launched, pages_to_scrub
+from phaseserve.engine.workers import DecodeWorker, Launched, scrub_after_step
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ class RemoteDecode(RemoteWorker):
     def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
         batch, check = decode_inputs(self.tables, rows)
         nxt, failures, device_s, lps = self._run(batch, check, [s.id for s in rows])
-        self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
+        scrub_after_step(self, rows, nxt, failures)
         return np.asarray(nxt)[: len(rows)], failures, device_s, lps
 
     def _run(self, batch: Any, check: tuple, ids: list[str]) -> tuple:

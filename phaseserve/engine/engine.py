@@ -138,7 +138,7 @@ class Engine:
         self.limits = Limits.of(cfg, serve, num_pages)
         self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
         self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption,
-                                   prefill_tables=self.prefill.tables)
+                                   prefix_caching=c.prefix_caching, prefill_tables=self.prefill.tables)
         self.max_context = self.limits.max_context
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
@@ -353,15 +353,17 @@ class Engine:
 
     def _load_prefixes(self, seqs: list[Sequence]) -> None:
         """Prefix hits: the cached pages' KV (decode pool) into each request's first prefill pages, so its suffix
-        chunks attend over it. A request whose copy raises fails alone."""
-        for s in seqs:
-            try:
-                n = s.shared_pages
-                payload = self.decode.export(self.tables.owned(s.id)[:n], self.prefill.pool_dtype)
-                payload = self._carry(payload, self.prefill)
-                self.prefill.land(self.prefill.tables.owned(s.id)[:n], payload)
-            except Exception as e:
-                self._device_failure([s], e)  # ends s (and everything, if a pool was lost)
+        chunks attend over it; one copy for all of this step's hits. If it raises, each request is copied alone and
+        a request whose own copy raises fails alone."""
+        try:
+            src = [p for s in seqs for p in self.tables.owned(s.id)[:s.shared_pages]]
+            dst = [p for s in seqs for p in self.prefill.tables.owned(s.id)[:s.shared_pages]]
+            payload = self._carry(self.decode.export(src, self.prefill.pool_dtype), self.prefill)
+            self.prefill.land(dst, payload)
+        except Exception as e:
+            if self._device_failure(seqs, e) and len(seqs) > 1:
+                for s in seqs:
+                    self._load_prefixes([s])
 
     def _launch_prefill(self, chunks: list[Chunk], events: list) -> None:
         """Dispatch this step's chunk groups to the prefill mesh (:meth:`_collect_prefill` takes their results)."""
@@ -462,11 +464,14 @@ class Engine:
             return
         for s, tok, lp in done:
             if tok == NONFINITE_TOKEN:  # the KV it computed may hold NaN: its private pages in both pools (not a
-                # shared prefix it reused) are zeroed before they are freed
+                # shared prefix it reused) are zeroed before they are freed, and never offered as prefix hits
                 self.prefill.scrub(self.prefill.tables.owned(s.id))
-                self.decode.scrub(self.tables.owned(s.id)[s.shared_pages:])
+                private = self.tables.owned(s.id)[s.shared_pages:]
+                self.allocator.forget(private)
+                self.decode.scrub(private)
             self.scheduler.prefilled(s)
-            self.scheduler.register_prefix(s)
+            if tok != NONFINITE_TOKEN:
+                self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
                 self._emit(s, tok, events, lp)
 

@@ -33,8 +33,12 @@ hit skips compute: the request starts prefilling at ``computed = hits * page_siz
 always computed: it gives the first output token). A waiting request whose next page is being computed right now by
 a prefilling request (same hash) is *deferred* -- left in the queue, later ones may pass it -- until that page is
 registered, so requests submitted together that share a prefix compute it once.
-An entry records ``(page, tag)`` and is only honoured while the allocator still gives that page that tag with a
-live reference: a freed or reissued page can never be handed out as a prefix hit. The index is a registered tag
+An entry records ``(page, tag)`` and is honoured while the page still holds that KV
+(:meth:`~phaseserve.cache.allocator.PageAllocator.holds`): held under that tag by a live request, or freed with it
+and neither reissued nor scrubbed since (retained, as vLLM's and SGLang's prefix caches keep finished requests'
+blocks: a later request with the same prompt prefix revives the page under a fresh tag instead of recomputing it;
+retained pages stay in the free queue, overwritten least recently freed first). A reissued or scrubbed page can
+never be handed out as a prefix hit. The index is a registered tag
 holder of the allocator, so at tag wraparound its tags are retired with the live requests' ones and a stale entry
 can never match a page reissued (to any tenant) in a later epoch.
 
@@ -147,7 +151,7 @@ class Scheduler:
         alloc = self.tables.allocator
         for h in hashes:
             entry = self.prefix.get(h)
-            if entry is None or alloc.tags[entry[0]] != entry[1] or alloc.refcount[entry[0]] == 0:
+            if entry is None or not alloc.holds(*entry):
                 break
             hits.append(entry[0])
         pending = len(hits) < len(hashes) and any(
@@ -161,10 +165,10 @@ class Scheduler:
         owned = self.tables.owned(seq.id)
         alloc = self.tables.allocator
         for i, h in enumerate(self._hashes(seq)):
-            if h not in self.prefix or alloc.tags[self.prefix[h][0]] != self.prefix[h][1]:
+            if h not in self.prefix or not alloc.holds(*self.prefix[h]):
                 self.prefix[h] = (owned[i], int(alloc.tags[owned[i]]))
-        if len(self.prefix) > 2 * alloc.num_pages:  # drop entries whose page was freed or reissued since
-            self.prefix = {h: (p, t) for h, (p, t) in self.prefix.items() if alloc.tags[p] == t}
+        if len(self.prefix) > 2 * alloc.num_pages:  # drop entries whose page was reissued or forgotten since
+            self.prefix = {h: (p, t) for h, (p, t) in self.prefix.items() if alloc.holds(p, t)}
 
     def prefilled(self, seq: Sequence) -> None:
         """``seq``'s prompt KV is in its decode pages now: give back its prefill pages."""
@@ -176,7 +180,8 @@ class Scheduler:
         """This step's prefill work: the prefilling requests' next chunks, oldest first, ``budget`` tokens in all. A
         prompt's first chunk also gives it the prefill pages of its whole prompt; while the prefill pool is short,
         it and every later prompt wait (FCFS) for the prompts in progress to be handed off. ``split`` False: a
-        prompt's rest is not cut to the budget's remainder (it waits for the next plan), unless it is the first.
+        prompt's rest is not cut to the budget's remainder (it waits for the next plan), unless it is the first; a
+        later prompt whose rest fits the remainder (a prefix hit's short suffix) still goes in.
         ``skip``: ids of requests not to plan now (a chunk of theirs is in flight)."""
         chunks = []
         for seq in sorted(self.running, key=lambda s: s.admitted_order):
@@ -185,7 +190,7 @@ class Scheduler:
             if not seq.prefilling or seq.id in skip:
                 continue
             if not split and chunks and seq.num_prompt - seq.computed > budget:
-                break
+                continue  # waits for the next plan (where it is the oldest); a shorter rest behind it may fit
             pre = self.prefill_tables
             if pre is not None and seq.id not in pre:
                 need = self._pages_for(seq.num_prompt)
@@ -207,14 +212,17 @@ class Scheduler:
         hits, pending = self._lookup_prefix(seq)
         if pending:
             return DEFERRED
+        alloc = self.tables.allocator
         need = self.pages_needed(seq) - len(hits)
         fresh = seq.swap is None
-        if self.tables.allocator.num_free < need:
+        if alloc.num_free - int((alloc.refcount[hits] == 0).sum()) < need:  # revived hits leave the free queue
             return SHORT
         self.tables.add(seq.id)
         try:
             if hits:
                 self.tables.share(seq.id, hits)
+                for h, p in zip(self._hashes(seq), hits, strict=False):  # revived pages carry fresh tags
+                    self.prefix[h] = (p, int(alloc.tags[p]))
             if need > 0 and self.tables.allocate(seq.id, need) is None:  # cannot happen after the check; be safe
                 raise RuntimeError(f"decode pages for {seq.id!r} vanished between the check and the allocation")
         except Exception:

@@ -103,6 +103,14 @@ def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt
     return scrub
 
 
+def scrub_after_step(worker: Any, rows: list[Sequence], nxt: np.ndarray, failures: dict[str, KVIntegrityError]) -> None:
+    """A decode worker's host half after a step: :func:`pages_to_scrub` zeroed in its pool (before any release) and
+    forgotten by its allocator, so no prefix hit revives them once they are free."""
+    pages = pages_to_scrub(worker.tables, worker.page_size, rows, nxt, failures)
+    worker.tables.allocator.forget(pages)
+    worker.scrub(pages)
+
+
 class Launched(NamedTuple):
     """A chunk step in flight (:meth:`PrefillWorker.launch`): its device outputs, fetched by :meth:`result`."""
 
@@ -323,7 +331,7 @@ class DecodeWorker:
         host logprob arrays ``(logprob, top logprobs, top ids)`` indexed by row, None unless a row asked)."""
         batch, check = decode_inputs(self.tables, rows)
         nxt, failures, device_s, lps = self.run_batch(batch, check, [s.id for s in rows])
-        self.scrub(pages_to_scrub(self.tables, self.page_size, rows, nxt, failures))  # before any release
+        scrub_after_step(self, rows, nxt, failures)
         return nxt[: len(rows)], failures, device_s, lps
 
     def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str], exact: bool = False,

@@ -23,7 +23,8 @@ from phaseserve.cache.allocator import (
 
 
 def snapshot(a: PageAllocator):
-    return (a.refcount.copy(), a.tags.copy(), a.free_pages(), a.num_free, a._next_tag, dict(a._pending), a.epoch)
+    return (a.refcount.copy(), a.tags.copy(), a.free_pages(), a.num_free, a._next_tag, dict(a._pending), a.epoch,
+            a.retired.copy())
 
 
 def same(s1, s2) -> bool:
@@ -226,6 +227,36 @@ class AllocatorMachine(RuleBasedStateMachine):
     def readmit_preempted(self):
         self.preempted.pop()
         self.admit(1)  # recompute: a fresh id, fresh pages
+
+    @precondition(lambda self: (self.a.retired != 0).any())
+    @rule(data=st.data())
+    def revive_retained(self, data):
+        """A prefix hit on freed pages whose KV is intact: out of the free queue under fresh tags."""
+        kept = np.nonzero(self.a.retired)[0].tolist()
+        pages = data.draw(st.lists(st.sampled_from(kept), min_size=1, max_size=min(3, self.t.max_pages), unique=True))
+        old, free = self.a.retired[pages].copy(), self.a.num_free
+        rid = self._new_id()
+        self.t.add(rid)
+        self.t.share(rid, pages)
+        self.model[rid] = list(pages)
+        assert self.a.num_free == free - len(pages) and not set(pages) & set(self.a.free_pages())
+        assert (self.a.tags[pages] > old).all() and (self.a.retired[pages] == 0).all()
+
+    @rule(data=st.data())
+    def forget_or_misrevive(self, data):
+        """Forgotten pages are never revived; reviving an allocated page or one without retained KV raises and
+        changes nothing."""
+        free = self.a.free_pages()
+        if free and data.draw(st.booleans()):
+            p = data.draw(st.sampled_from(free))
+            self.a.forget([p])
+            assert not self.a.holds(p, int(self.a.retired[p]))
+        before = snapshot(self.a)
+        bad = [p for p in range(1, self.a.num_pages) if self.a.retired[p] == 0]
+        if bad:
+            with pytest.raises(DoubleFreeError):
+                self.a.revive([data.draw(st.sampled_from(bad))])
+            assert same(before, snapshot(self.a))
 
     @rule(data=st.data())
     def misuse(self, data):

@@ -58,6 +58,14 @@ def test_integrity_at_the_published_shape_fits_its_model_and_pool():
     assert model_cfg.hidden_size == 256 and model_cfg.num_layers == 4  # the default architecture
 
 
+def test_prefix_caching_is_on_by_default_and_the_cache_group_turns_it_off():
+    on = _compose("config", TINY)
+    model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(on.model))
+    assert config_hydra.serve_config(on, model_cfg).cache.prefix_caching is True
+    off = _compose("config", [*TINY, "cache.prefix_caching=false"])
+    assert config_hydra.serve_config(off, model_cfg).cache.prefix_caching is False
+
+
 def test_experiment_defaults_select_their_groups():
     kv = _compose("experiment/kv_dtype")
     assert list(kv.quant.kv_dtype) == ["bfloat16", "float8_e4m3fn"]

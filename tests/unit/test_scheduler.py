@@ -82,8 +82,9 @@ def test_on_demand_grows_and_preempts_the_newest_by_recompute():
     assert len(s.tables.owned("a")) * 4 >= a.next_position + 1
 
 
-def test_prefix_hits_need_the_same_tenant_and_a_live_page():
+def test_prefix_hits_need_the_same_tenant_and_intact_kv():
     s = make(num_pages=33)
+    alloc = s.tables.allocator
     prefix = list(range(100, 112))  # three full pages
     first = seq("p0", prefix + [1, 2])
     s.add(first)
@@ -94,17 +95,79 @@ def test_prefix_hits_need_the_same_tenant_and_a_live_page():
     s.add(other)
     s.schedule()
     assert same.shared_pages == 3 and other.shared_pages == 0
-    assert s.tables.owned("p1")[:3] == s.tables.owned("p0")[:3]
-    assert s.tables.allocator.refcount[s.tables.owned("p0")[0]] == 2
+    pages = s.tables.owned("p0")[:3]
+    assert s.tables.owned("p1")[:3] == pages
+    assert alloc.refcount[pages[0]] == 2
     s.check_invariants()
+    old_tags = alloc.tags[pages].copy()
     for q in list(s.running):
         s.finish(q)
+    assert alloc.num_free == 32  # retained pages count as free
     late = seq("p3", prefix + [4])
     s.add(late)
     s.schedule()
-    assert late.shared_pages == 0  # the pages were freed: stale entries are never honoured
+    assert late.shared_pages == 3 and s.tables.owned("p3")[:3] == pages  # freed, KV intact: revived
+    assert (alloc.refcount[pages] == 1).all() and not np.isin(alloc.tags[pages], old_tags).any()  # fresh tags
+    s.check_invariants()
     s.finish(late)
-    assert s.tables.allocator.num_free == 32
+    alloc.forget(pages[2:])  # the last page's KV is gone (scrubbed)
+    part = seq("p4", prefix + [5])
+    s.add(part)
+    s.schedule()
+    assert part.shared_pages == 2
+    s.finish(part)
+    grabbed = alloc.allocate(alloc.num_free)  # every free page reissued: their KV is overwritten
+    alloc.free(grabbed)
+    gone = seq("p5", prefix + [6])
+    s.add(gone)
+    s.schedule()
+    assert gone.shared_pages == 0  # reissued pages are never honoured
+    s.finish(gone)
+    assert alloc.num_free == 32
+    s.check_invariants()
+
+
+def test_without_prefix_caching_nothing_is_registered_or_hit():
+    s = make(num_pages=33, prefix=False)
+    prefix = list(range(100, 112))
+    first = seq("p0", prefix + [1])
+    s.add(first)
+    s.schedule()
+    s.register_prefix(first)
+    again = seq("p1", prefix + [1])
+    s.add(again)
+    s.schedule()
+    assert not s.prefix and again.shared_pages == 0 and first.shared_pages == 0
+    s.check_invariants()
+
+
+def test_retained_prefix_pages_are_overwritten_last_and_never_block_an_allocation():
+    s = make(num_pages=9)  # 8 usable pages
+    alloc = s.tables.allocator
+    a = seq("a", list(range(100, 108)) + [1], max_tokens=1)  # two full prompt pages + one
+    s.add(a)
+    s.schedule()
+    s.register_prefix(a)
+    kept = s.tables.owned("a")[:2]
+    s.finish(a)
+    assert set(alloc.free_pages()[-3:]) >= set(kept)  # freed last: overwritten last
+    fill = alloc.allocate(alloc.num_free - 3)  # all but three pages: the retained ones are spared
+    assert not set(fill) & set(kept)
+    b = seq("b", list(range(100, 108)) + [2], max_tokens=1)
+    s.add(b)
+    s.schedule()
+    assert b.shared_pages == 2 and alloc.num_free == 0  # two revived, its third page the last free one
+    s.finish(b)
+    alloc.free(fill)
+    every = alloc.allocate(alloc.num_free)  # retained pages never make an allocation fail
+    assert every is not None and set(kept) <= set(every)
+    alloc.free(every)
+    c = seq("c", list(range(100, 108)) + [3], max_tokens=1)
+    s.add(c)
+    s.schedule()
+    assert c.shared_pages == 0  # reissued since: no hit
+    s.finish(c)
+    s.check_invariants()
 
 
 def test_hash_chain_depends_on_every_earlier_token_and_the_salt():
