@@ -65,10 +65,13 @@ def row_bucket(n: int) -> int:
 
 
 def chunk_bucket(n: int) -> int:
-    """Padded length of a prefill chunk of ``n`` tokens: a multiple of 16 up to 128, then a quarter-octave step
-    (160, 192, 224, 256, 320, ...): the next multiple of ``max(16, bucket(n) / 8)``. A power of two pads a prompt of
-    2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most a quarter of the
-    chunk (a fifth above 128 tokens), at four compiled lengths per octave."""
+    """Padded length of a prefill chunk of ``n`` tokens: 1 for a single token, else a multiple of 16 up to 128, then
+    a quarter-octave step (160, 192, 224, 256, 320, ...): the next multiple of ``max(16, bucket(n) / 8)``. A power of
+    two pads a prompt of 2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most a
+    quarter of the chunk (a fifth above 128 tokens), at four compiled lengths per octave. The single token is that
+    prompt's suffix after a prefix hit on its 2^k cached tokens: padded to 16 it would cost 16 tokens' FFN per row."""
+    if n <= 1:
+        return 1
     g = max(16, bucket(n) // 8)
     return max(16, -(-n // g) * g)
 
@@ -98,8 +101,10 @@ def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, 
     any wider table).
 
     Ordered for a warm-up that may stop early (``Engine.warm_up``): first every ``(rows, chunk)`` at the narrowest
-    table its chunk length can have (a fresh prompt prefilled in one chunk, no prefix hit), by chunk then rows; then
-    the wider tables (prefix hits, later chunks of long prompts)."""
+    table its chunk length can have (a fresh prompt prefilled in one chunk, no prefix hit) and the chunks of at most
+    a page at every width (the suffix a prefix hit leaves: a cached prompt served again costs this step, not a whole
+    prompt's), by rows then chunk (one and two prompts per launch are the most frequent groups); then the wider tables
+    of longer chunks (later chunks of long prompts)."""
     cap, fresh, wider, shortest = min(tables.page_table.shape[1], max_pages), [], [], {}
     for n in range(max(max_chunk, 1), 0, -1):  # each padded length's shortest chunk
         shortest[chunk_bucket(n)] = n
@@ -108,9 +113,10 @@ def prefill_shapes(tables: PageTables, page_size: int, max_prefill_tokens: int, 
         widths = sorted({min(bucket(n, 4), cap) for n in range(least, cap + 1)})
         for b in batch_buckets(max_rows):
             if b * c <= max(max_prefill_tokens, c):
-                fresh.append((b, c, widths[0]))
-                wider += [(b, c, w) for w in widths[1:]]
-    return fresh + wider
+                first, later = (widths, []) if c <= chunk_bucket(page_size) else (widths[:1], widths[1:])
+                fresh += [(b, c, w) for w in first]
+                wider += [(b, c, w) for w in later]
+    return sorted(fresh, key=lambda s: (s[0], s[1])) + wider
 
 
 def decode_shapes(tables: PageTables, max_rows: int, max_pages: int) -> list[tuple[int, int]]:

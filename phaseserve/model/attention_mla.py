@@ -11,8 +11,11 @@ Two equivalent forms:
   and the output stays in latent space, ``o_latent = P @ c``, projected by ``W_uv`` afterwards. Decode then
   reads only the latent pages (576 values per token for Kimi K2 / GLM-5) instead of per-head K and V.
 
-GLM-5 prompts longer than ``index_topk`` take the weight-absorbed form over the keys the DSA indexer selects
-(:mod:`phaseserve.model.indexer`).
+A prefill chunk over cached keys (a prefix hit's suffix, a later chunk of a long prompt) takes whichever form costs
+fewer multiply-adds for its T queries over S keys (:func:`absorbed_is_cheaper`): the expanded form runs every key
+through ``W_kv_b`` (S * r * H * (nope + v)), which a short chunk over a long context never earns back; the absorbed
+form's cost grows with T * S only. GLM-5 prompts longer than ``index_topk`` take the weight-absorbed form over the
+keys the DSA indexer selects (:mod:`phaseserve.model.indexer`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import finalize
 from phaseserve.config import ModelConfig
 from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model import indexer
@@ -60,6 +64,37 @@ def _kv_b(p: MLAParams, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
     return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
 
+def absorbed_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
+    """Whether T queries attending over S keys cost fewer multiply-adds per row and layer in the weight-absorbed form
+    (queries lifted to the latent, T * H * r * (nope + v); scores and values at latent width, T * S * H * (2r + rope))
+    than in the expanded one (every key through W_kv_b, S * r * H * (nope + v); attention at head width,
+    T * S * H * (nope + rope + v))."""
+    r, h, dn, dr, dv = cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    expanded = s * r * h * (dn + dv) + t * s * h * (dn + dr + dv)
+    absorbed = t * h * r * (dn + dv) + t * s * h * (2 * r + dr)
+    return absorbed < expanded
+
+
+def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latents: jax.Array, q_positions: jax.Array,
+                     lengths: jax.Array | None, scale: float) -> jax.Array:
+    """Weight-absorbed causal attention of a chunk over its row's keys, in float32.
+
+    q_latent [B, T, H, r], q_rope [B, T, H, rope], latents [B, S, r + rope] (key s at position s), q_positions
+    i32[B, T], lengths i32[B] | None -> o_latent [B, T, H, r] in q_latent's dtype. Key s is visible to the query at
+    position p when s <= p and s < lengths[b]; a query that sees no key (padding) gives zeros."""
+    r = q_latent.shape[-1]
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32)
+    x = latents.astype(jnp.float32)
+    keys = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), (*q_positions.shape, x.shape[1]))
+    ok = indexer.visible(keys, q_positions, lengths)[:, :, None, :]  # [B, T, 1, S]
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.where(ok, jnp.einsum("bthf,bsf->bths", q, x, precision=hi) * scale, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    o = jnp.einsum("bths,bsr->bthr", e, x[..., :r], precision=hi)
+    return finalize(o, jnp.sum(e, axis=-1, keepdims=True)).astype(q_latent.dtype)
+
+
 def output(p: MLAParams, x: jax.Array, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """per-head values [B, T, H, v] -> [B, T, D]."""
     b, t = x.shape[:2]
@@ -77,7 +112,8 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     past index_topk the sparse form of :mod:`phaseserve.model.indexer`, where a layer without indexer weights
     (``indexer_types`` "shared") reuses ``selection`` from the layer before. ``context(kv) -> kv over [B, S, ...]``
     (None: the tokens themselves) gives the keys to attend over, key s at position s (a prefill chunk over the
-    request's cached KV); ``lengths`` then counts valid keys."""
+    request's cached KV); ``lengths`` then counts valid keys, and a chunk short enough for its keys
+    (:func:`absorbed_is_cheaper`) attends in the weight-absorbed form."""
     q_nope, q_rope, q_resid = queries(p, cfg, x, positions, kd=kd)
     kv = lat = latents(p, cfg, x, positions, kd=kd)
     if p.indexer is not None:
@@ -99,6 +135,12 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
                                                       softmax_scale(cfg), index=index, selection=selection)
         v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
         return output(p, v, kd=kd), kv, selection
+    if context is not None and absorbed_is_cheaper(cfg, x.shape[1], ctx_lat.shape[1]):
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+        with jax.named_scope("attention"):
+            o_lat = latent_attention(q_lat, q_rope, ctx_lat, positions, lengths, softmax_scale(cfg))
+        v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
+        return output(p, v, kd=kd), kv, None
     k_nope = jnp.einsum("btr,rhn->bthn", c, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
     v = jnp.einsum("btr,rhv->bthv", c, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))

@@ -40,7 +40,8 @@ class Compiles:
 
 def test_no_request_compiles_after_warm_up(engine):
     counts = engine.warm_up()
-    assert counts["prefill_shapes"] == 3 and counts["decode_shapes"] == 2  # (1|2 rows x 16) + (1 x 32); 1|2 x 4
+    # prefill: (1|2 rows x 1 token) + (1|2 rows x 16) + (1 x 32), all 4 pages wide; decode: 1|2 rows x 4 pages
+    assert counts["prefill_shapes"] == 5 and counts["decode_shapes"] == 2
     rng = np.random.default_rng(0)
     vocab = engine.cfg.vocab_size
     shared = rng.integers(0, vocab, 33).tolist()
@@ -111,7 +112,7 @@ def test_warm_up_stops_short_of_the_memory_map_limit(monkeypatch, tmp_path):
     eng = ps.Engine(cfg, params, serve)
     seen = []
     counts = eng.warm_up(lambda phase, shape, seconds: seen.append((phase, shape, seconds)))
-    assert counts["decode_shapes"] == 2 and counts["prefill_shapes"] == 1 and counts["shapes_left"] == 2, counts
+    assert counts["decode_shapes"] == 2 and counts["prefill_shapes"] == 1 and counts["shapes_left"] == 4, counts
     assert [p for p, _, _ in seen] == ["decode_shapes"] * 2 + ["prefill_shapes"] and all(t > 0 for *_, t in seen)
     monkeypatch.undo()
     rng = np.random.default_rng(1)
