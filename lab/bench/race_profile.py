@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import numpy as np
 from hydra.core.global_hydra import GlobalHydra
 
 from lab.bench import report as rp
@@ -134,7 +135,7 @@ def compiles(engine: Any) -> dict[str, int]:
     """The engine's step executables compiled so far, by phase and where (``engine.compiled.ShapeCache`` stats:
     ``background``, ``inline``), and the calls run on a larger compiled shape (``cover``)."""
     return {f"{phase} {k}": int(getattr(engine, phase).steps.stats.get(k, 0)) for phase in ("prefill", "decode")
-            for k in ("background", "inline", "cover")}
+            for k in ("background", "inline", "cover", "cover_at_limit")}
 
 
 def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, float], bench: dict) -> dict:
@@ -162,10 +163,25 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
         "prefill_in_flight_ms_p50": ms([s for s, _ in timers.in_flight]),  # launch -> first tokens emitted
         "prefill_chunks_per_launch": sum(n for _, n in timers.in_flight) / max(len(timers.in_flight), 1),
         "inbox_wait_ms_p50": ms(inbox), "engine_ttft_ms_p50": ms(ttft),
-        "client_ttft_ms_p50": bench["ttft_p50_ms"], "client_tpot_ms_p50": bench["tpot_p50_ms"],
+        "engine_ttft_ms_p99": 1e3 * float(np.percentile(ttft, 99)) if ttft else None,
+        "client_ttft_ms_p50": bench["ttft_p50_ms"], "client_ttft_ms_mean": bench.get("ttft_mean_ms"),
+        "client_ttft_ms_p99": bench.get("ttft_p99_ms"), "client_tpot_ms_p50": bench["tpot_p50_ms"],
         "output_tok_per_s": bench["output_tok_per_s"],
         "cpu_s": cpu, "cpu_share_of_wall": {k: v / wall_s for k, v in cpu.items()},
+        "timeline": request_timeline(finished),
     }
+
+
+def request_timeline(finished: list) -> list[dict]:
+    """Each request's times (ms from the level's first request in): into the HTTP inbox, into the engine, first token,
+    finished; and its prompt tokens served from the prefix cache."""
+    if not finished:
+        return []
+    t0 = min(m.received if m.received is not None else m.arrival for m in finished)
+    ms = lambda t: None if t is None else round(1e3 * (t - t0), 2)  # noqa: E731
+    return [{"received": ms(m.received), "arrival": ms(m.arrival), "first_token": ms(m.first_token),
+             "finished": ms(m.finished), "prefix_hit_tokens": m.prefix_hit_tokens}
+            for m in sorted(finished, key=lambda m: m.arrival)]
 
 
 def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int = 2) -> dict:
@@ -246,7 +262,10 @@ def markdown(levels: dict) -> str:
             ("decode.step p50 ms", "decode_step_ms_p50", "{:.2f}"), ("inbox wait p50 ms", "inbox_wait_ms_p50",
                                                                      "{:.2f}"),
             ("engine TTFT p50 ms (arrival -> first token)", "engine_ttft_ms_p50", "{:.1f}"),
+            ("engine TTFT p99 ms", "engine_ttft_ms_p99", "{:.1f}"),
             ("client TTFT p50 ms (vllm bench)", "client_ttft_ms_p50", "{:.1f}"),
+            ("client TTFT mean ms", "client_ttft_ms_mean", "{:.1f}"),
+            ("client TTFT p99 ms", "client_ttft_ms_p99", "{:.1f}"),
             ("client TPOT p50 ms (vllm bench)", "client_tpot_ms_p50", "{:.2f}")]
     lines += ["| per level | " + " | ".join(f"c={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for label, k, f in keys:

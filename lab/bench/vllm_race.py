@@ -268,7 +268,8 @@ def parse_bench(path: Path) -> dict:
     out.update(completed=int(raw["completed"]), failed=int(raw.get("failed", 0)), duration_s=float(raw["duration"]),
                total_output_tokens=int(raw.get("total_output_tokens", 0)),
                total_input_tokens=int(raw.get("total_input_tokens", 0)),
-               ttft_p99_ms=raw.get("p99_ttft_ms"), tpot_p99_ms=raw.get("p99_tpot_ms"))
+               ttft_p99_ms=raw.get("p99_ttft_ms"), ttft_mean_ms=raw.get("mean_ttft_ms"),
+               tpot_p99_ms=raw.get("p99_tpot_ms"))
     return out
 
 
