@@ -52,6 +52,12 @@ CAVEATS = [
     "vLLM is never run with --enforce-eager, which gives wrong tokens for this architecture on the CPU.",
     "Both servers run float32 weights and KV (phaseserve quant=f32), so both can match transformers' greedy tokens.",
     "Both servers stay up for the whole model: the idle one shares the machine with the measured one.",
+    "Prompts repeat: vllm bench serve's random dataset builds prompt i from consecutive token ids starting at "
+    "(offset_i + i) mod the vocabulary's allowed ids, so this 256-byte vocabulary gives at most 256 distinct prompts, "
+    "recurring within a run, across levels and across repeats. Both servers keep finished requests' prompt pages "
+    "cached (vLLM's enable_prefix_caching=True, phaseserve's cache.prefix_caching=true, their defaults) and serve "
+    "most prompts from the cache after the first levels: TTFT here measures a cached prompt's suffix more than a "
+    "prompt's prefill.",
 ]
 
 
