@@ -282,7 +282,9 @@ class CacheConfig:
     integrity: bool = True  # page-tag check before every decode step
     admission: str = "reserve"  # "reserve" (prompt + max_tokens at admission) | "on_demand" (grow, preempt)
     preemption: str = "recompute"  # on_demand victims: "recompute" (re-prefill) | "swap" (pages to host and back)
-    prefix_caching: bool = True  # full prompt pages shared by hash, kept after their requests end until reissued
+    prefix_caching: bool = True  # full prompt pages shared by hash between requests
+    retain_prefixes: bool = False  # ... and kept after their requests end until reissued (vLLM's APC); off by
+    # default: a detected integrity fault does not yet make the pages it touched unfit for later hits
     memory_fraction: float = 0.9  # no num_pages/kv_budget_bytes: this fraction of the free accelerator memory
     # goes to the KV cache (as vLLM's gpu_memory_utilization); on the CPU, DEFAULT_CPU_KV_BYTES
 
@@ -297,8 +299,9 @@ class CacheConfig:
         _check(isinstance(self.integrity, bool), f"CacheConfig.integrity must be a bool, got {self.integrity!r}")
         _choice("CacheConfig.admission", self.admission, ADMISSIONS)
         _choice("CacheConfig.preemption", self.preemption, PREEMPTIONS)
-        _check(isinstance(self.prefix_caching, bool), f"CacheConfig.prefix_caching must be a bool, got "
-                                                      f"{self.prefix_caching!r}")
+        for name in ("prefix_caching", "retain_prefixes"):
+            _check(isinstance(getattr(self, name), bool), f"CacheConfig.{name} must be a bool, got "
+                                                          f"{getattr(self, name)!r}")
         _check(isinstance(self.memory_fraction, float | int) and 0 < self.memory_fraction <= 1,
                f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
 

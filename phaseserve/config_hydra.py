@@ -87,7 +87,8 @@ class CacheSpec:
     max_pages_per_seq: int | None = 16  # null: enough pages for engine.max_context (ServeConfig derives it)
     integrity: Any = True  # bool, or a list
     admission: str = "reserve"  # "reserve" | "on_demand"
-    prefix_caching: bool = True  # prompt pages shared by hash and kept after their requests end (vLLM's APC)
+    prefix_caching: bool = True  # prompt pages shared by hash between requests
+    retain_prefixes: bool = False  # and kept after their requests end until reissued (vLLM's APC)
 
 
 @dataclass
@@ -284,7 +285,8 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
     cache = CacheConfig(page_size=int(c.page_size), num_pages=c.num_pages, kv_budget_bytes=budget,
                         max_pages_per_seq=None if c.max_pages_per_seq is None else int(c.max_pages_per_seq),
                         integrity=bool(single(c.integrity, "cache.integrity")), admission=str(c.admission),
-                        prefix_caching=bool(c.get("prefix_caching", True)))
+                        prefix_caching=bool(c.get("prefix_caching", True)),
+                        retain_prefixes=bool(c.get("retain_prefixes", False)))
     mesh = MeshConfig(prefill_devices=tuple(m.prefill_devices) if m.prefill_devices is not None else None,
                       decode_devices=tuple(m.decode_devices) if m.decode_devices is not None else None,
                       prefill_tp=int(m.prefill_tp), decode_tp=int(m.decode_tp), decode_ep=int(m.decode_ep),

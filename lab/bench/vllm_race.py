@@ -55,9 +55,9 @@ CAVEATS = [
     "Prompts repeat: vllm bench serve's random dataset builds prompt i from consecutive token ids starting at "
     "(offset_i + i) mod the vocabulary's allowed ids, so this 256-byte vocabulary gives at most 256 distinct prompts, "
     "recurring within a run, across levels and across repeats. Both servers keep finished requests' prompt pages "
-    "cached (vLLM's enable_prefix_caching=True, phaseserve's cache.prefix_caching=true, their defaults) and serve "
-    "most prompts from the cache after the first levels: TTFT here measures a cached prompt's suffix more than a "
-    "prompt's prefill.",
+    "cached (vLLM's enable_prefix_caching=True, its default; phaseserve's cache.retain_prefixes=true, the race's "
+    "override, default off) and serve most prompts from the cache after the first levels: TTFT here measures a "
+    "cached prompt's suffix more than a prompt's prefill.",
 ]
 
 

@@ -138,7 +138,8 @@ class Engine:
         self.limits = Limits.of(cfg, serve, num_pages)
         self.allocator, self.tables, self.tracker = self.decode.allocator, self.decode.tables, self.decode.tracker
         self.scheduler = Scheduler(self.tables, c.page_size, serve.max_batch, c.admission, preemption=c.preemption,
-                                   prefix_caching=c.prefix_caching, prefill_tables=self.prefill.tables)
+                                   prefix_caching=c.prefix_caching, retain_prefixes=c.retain_prefixes,
+                                   prefill_tables=self.prefill.tables)
         self.max_context = self.limits.max_context
         self.handoff = handoff or InProcessHandoff()
         self.metrics = RunMetrics()
@@ -355,6 +356,8 @@ class Engine:
         """Prefix hits: the cached pages' KV (decode pool) into each request's first prefill pages, so its suffix
         chunks attend over it; one copy for all of this step's hits. If it raises, each request is copied alone and
         a request whose own copy raises fails alone."""
+        if not seqs:
+            return
         try:
             src = [p for s in seqs for p in self.tables.owned(s.id)[:s.shared_pages]]
             dst = [p for s in seqs for p in self.prefill.tables.owned(s.id)[:s.shared_pages]]

@@ -34,11 +34,12 @@ always computed: it gives the first output token). A waiting request whose next 
 a prefilling request (same hash) is *deferred* -- left in the queue, later ones may pass it -- until that page is
 registered, so requests submitted together that share a prefix compute it once.
 An entry records ``(page, tag)`` and is honoured while the page still holds that KV
-(:meth:`~phaseserve.cache.allocator.PageAllocator.holds`): held under that tag by a live request, or freed with it
-and neither reissued nor scrubbed since (retained, as vLLM's and SGLang's prefix caches keep finished requests'
-blocks: a later request with the same prompt prefix revives the page under a fresh tag instead of recomputing it;
-retained pages stay in the free queue, overwritten least recently freed first). A reissued or scrubbed page can
-never be handed out as a prefix hit. The index is a registered tag
+(:meth:`~phaseserve.cache.allocator.PageAllocator.holds`): held under that tag by a live request, or, with
+``retain_prefixes``, freed with it and neither reissued nor scrubbed since (retained, as vLLM's and SGLang's prefix
+caches keep finished requests' blocks: a later request with the same prompt prefix revives the page under a fresh
+tag instead of recomputing it; retained pages stay in the free queue, overwritten least recently freed first;
+off by default, since a detected integrity fault does not yet mark the pages it touched unfit). A reissued or
+scrubbed page can never be handed out as a prefix hit. The index is a registered tag
 holder of the allocator, so at tag wraparound its tags are retired with the live requests' ones and a stale entry
 can never match a page reissued (to any tenant) in a later epoch.
 
@@ -97,7 +98,7 @@ class ScheduleResult:
 class Scheduler:
     def __init__(self, tables: PageTables, page_size: int, max_batch: int, policy: str = "reserve",
                  prefix_caching: bool = True, preemption: str = "recompute",
-                 prefill_tables: PageTables | None = None):
+                 prefill_tables: PageTables | None = None, retain_prefixes: bool = False):
         if policy not in ("reserve", "on_demand"):
             raise ValueError(f"admission policy must be 'reserve' or 'on_demand', got {policy!r}")
         if preemption not in ("recompute", "swap"):
@@ -109,6 +110,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.policy = policy
         self.prefix_caching = prefix_caching
+        self.retain_prefixes = retain_prefixes  # honour entries of freed pages whose KV is intact
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix: dict[bytes, tuple[int, int]] = {}  # hash -> (page, tag)
@@ -148,15 +150,19 @@ class Scheduler:
         cap = (seq.num_prompt - 1) // self.page_size  # full pages only, and one prompt token is always computed
         hashes = self._hashes(seq)[:cap]
         hits = []
-        alloc = self.tables.allocator
         for h in hashes:
             entry = self.prefix.get(h)
-            if entry is None or not alloc.holds(*entry):
+            if entry is None or not self._usable(*entry):
                 break
             hits.append(entry[0])
         pending = len(hits) < len(hashes) and any(
             hashes[len(hits)] in self._hashes(s)[s.shared_pages:] for s in self.running if s.prefilling)
         return hits, pending
+
+    def _usable(self, page: int, tag: int) -> bool:
+        """An index entry may serve a hit: the page holds its KV, held by a live request unless ``retain_prefixes``."""
+        alloc = self.tables.allocator
+        return alloc.holds(page, tag) and (self.retain_prefixes or alloc.refcount[page] > 0)
 
     def register_prefix(self, seq: Sequence) -> None:
         """Record ``seq``'s full prompt pages (after their KV has been written) for later hits."""
@@ -165,10 +171,10 @@ class Scheduler:
         owned = self.tables.owned(seq.id)
         alloc = self.tables.allocator
         for i, h in enumerate(self._hashes(seq)):
-            if h not in self.prefix or not alloc.holds(*self.prefix[h]):
+            if h not in self.prefix or not self._usable(*self.prefix[h]):
                 self.prefix[h] = (owned[i], int(alloc.tags[owned[i]]))
         if len(self.prefix) > 2 * alloc.num_pages:  # drop entries whose page was reissued or forgotten since
-            self.prefix = {h: (p, t) for h, (p, t) in self.prefix.items() if alloc.holds(p, t)}
+            self.prefix = {h: (p, t) for h, (p, t) in self.prefix.items() if self._usable(p, t)}
 
     def prefilled(self, seq: Sequence) -> None:
         """``seq``'s prompt KV is in its decode pages now: give back its prefill pages."""

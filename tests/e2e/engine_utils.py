@@ -15,11 +15,12 @@ F32 = ps.QuantConfig(prefill_weights="float32", decode_weights="float32", kv_dty
 
 def serve_config(mode: str = "disaggregated", quant: ps.QuantConfig = F32, num_pages: int = 96, page_size: int = 4,
                  max_batch: int = 4, admission: str = "reserve", integrity: bool = True, prefix_caching: bool = True,
-                 **kw) -> ps.ServeConfig:
+                 retain_prefixes: bool = False, **kw) -> ps.ServeConfig:
     return ps.ServeConfig(mode=mode, quant=quant, max_batch=max_batch,
                           cache=ps.CacheConfig(page_size=page_size, num_pages=num_pages, max_pages_per_seq=16,
                                                admission=admission, integrity=integrity,
-                                               prefix_caching=prefix_caching), **kw)
+                                               prefix_caching=prefix_caching, retain_prefixes=retain_prefixes),
+                          **kw)
 
 
 def make_checkpoint(variant: str, directory, seed: int = 0):

@@ -171,12 +171,15 @@ def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
     timers.clip(9.0, 13.0)  # the idle waits before 9 s and after 13 s are cut off
     assert timers.seconds["drain"] == pytest.approx(1.0 + 0.5) and timers.calls["drain"] == 2
     assert timers.durations["prefill.collect"] == [1.5] and timers.calls["prefill.collect"] == 2
-    finished = [SimpleNamespace(ttft=0.2, received=9.0, arrival=9.01), SimpleNamespace(ttft=0.4, received=9.5,
-                                                                                       arrival=9.6)]
+    finished = [SimpleNamespace(ttft=0.2, received=9.0, arrival=9.01, first_token=9.21, finished=9.9,
+                                prefix_hit_tokens=0),
+                SimpleNamespace(ttft=0.4, received=9.5, arrival=9.6, first_token=10.0, finished=10.5,
+                                prefix_hit_tokens=16)]
     bench = {"ttft_p50_ms": 350.0, "tpot_p50_ms": 5.0, "output_tok_per_s": 100.0}
     lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
     assert lv["phases_share"]["prefill.collect"] == pytest.approx((1.55 - 0.5) / 4)  # the handoff is its own row
     assert lv["phases_share"]["handoff"] == pytest.approx(0.5 / 4)
+    assert [r["first_token"] for r in lv["timeline"]] == [pytest.approx(210.0), pytest.approx(1000.0)]
     assert lv["phases_ms_per_step"]["step (rest)"] == pytest.approx(1e3 * (2.0 - 1.55 - 0.4))
     assert lv["phases_share"]["loop (rest)"] == pytest.approx((4.0 - 1.5 - 2.0) / 4)
     assert lv["prefill_collect_ms_p50"] == pytest.approx(1500.0)

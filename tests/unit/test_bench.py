@@ -61,9 +61,11 @@ def test_integrity_at_the_published_shape_fits_its_model_and_pool():
 def test_prefix_caching_is_on_by_default_and_the_cache_group_turns_it_off():
     on = _compose("config", TINY)
     model_cfg = ps.ModelConfig.from_hf_config(config_hydra.hf_dict(on.model))
-    assert config_hydra.serve_config(on, model_cfg).cache.prefix_caching is True
-    off = _compose("config", [*TINY, "cache.prefix_caching=false"])
-    assert config_hydra.serve_config(off, model_cfg).cache.prefix_caching is False
+    cache = config_hydra.serve_config(on, model_cfg).cache
+    assert cache.prefix_caching is True and cache.retain_prefixes is False
+    off = _compose("config", [*TINY, "cache.prefix_caching=false", "cache.retain_prefixes=true"])
+    cache = config_hydra.serve_config(off, model_cfg).cache
+    assert cache.prefix_caching is False and cache.retain_prefixes is True
 
 
 def test_experiment_defaults_select_their_groups():

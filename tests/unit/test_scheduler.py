@@ -12,10 +12,10 @@ from phaseserve.engine.request import Request, RequestOutput, Sequence
 from phaseserve.engine.scheduler import Scheduler, page_hashes
 
 
-def make(num_pages=17, page_size=4, max_batch=8, policy="reserve", prefix=True, prefill_pages=None):
+def make(num_pages=17, page_size=4, max_batch=8, policy="reserve", prefix=True, prefill_pages=None, retain=False):
     tables = PageTables(PageAllocator(num_pages), max_pages_per_seq=16)
     pre = None if prefill_pages is None else PageTables(PageAllocator(prefill_pages), max_pages_per_seq=16)
-    return Scheduler(tables, page_size, max_batch, policy, prefix, prefill_tables=pre)
+    return Scheduler(tables, page_size, max_batch, policy, prefix, prefill_tables=pre, retain_prefixes=retain)
 
 
 def run_chunks(s, budget):
@@ -83,7 +83,17 @@ def test_on_demand_grows_and_preempts_the_newest_by_recompute():
 
 
 def test_prefix_hits_need_the_same_tenant_and_intact_kv():
-    s = make(num_pages=33)
+    live = make(num_pages=33)  # the default: only pages a live request holds serve hits
+    first = seq("q0", list(range(100, 112)) + [1])
+    live.add(first)
+    live.schedule()
+    live.register_prefix(first)
+    live.finish(first)
+    late = seq("q1", list(range(100, 112)) + [1])
+    live.add(late)
+    live.schedule()
+    assert late.shared_pages == 0
+    s = make(num_pages=33, retain=True)
     alloc = s.tables.allocator
     prefix = list(range(100, 112))  # three full pages
     first = seq("p0", prefix + [1, 2])
@@ -142,7 +152,7 @@ def test_without_prefix_caching_nothing_is_registered_or_hit():
 
 
 def test_retained_prefix_pages_are_overwritten_last_and_never_block_an_allocation():
-    s = make(num_pages=9)  # 8 usable pages
+    s = make(num_pages=9, retain=True)  # 8 usable pages
     alloc = s.tables.allocator
     a = seq("a", list(range(100, 108)) + [1], max_tokens=1)  # two full prompt pages + one
     s.add(a)
