@@ -52,6 +52,7 @@ PREFILL_KV_DTYPES = ("float32", "bfloat16")  # what prefill computes KV in
 ADMISSIONS = ("reserve", "on_demand")
 PREEMPTIONS = ("recompute", "swap")
 SERVE_MODES = ("disaggregated", "colocated")
+REPLICA_DEVICES = ("blocks", "shared")  # MeshConfig.replica_devices
 
 # Short names accepted wherever a dtype string is (configs, CLI overrides).
 DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn",
@@ -316,7 +317,13 @@ class MeshConfig:
 
     ``replicas``: data-parallel engine replicas (:class:`~phaseserve.engine.replicas.ReplicatedEngine`), each an
     engine of its own over the next consecutive block of devices, laid out as above within its block; explicit
-    device indices cannot be combined with it. A plain :class:`~phaseserve.engine.Engine` takes ``replicas=1``."""
+    device indices cannot be combined with it (unless shared, below). A plain :class:`~phaseserve.engine.Engine`
+    takes ``replicas=1``.
+    ``replica_devices``: ``"blocks"`` (as above) or ``"shared"``: every replica laid out over all the devices as
+    one engine would be (explicit indices allowed), the replicas sharing their compiled steps (one executable per
+    shape for all) and running at once from their own threads -- for a CPU, whose simulated devices share one pool
+    of cores and where each compiled shape holds hundreds of the process's memory maps
+    (``phaseserve.engine.compiled``)."""
 
     prefill_devices: tuple[int, ...] | None = None
     decode_devices: tuple[int, ...] | None = None
@@ -324,13 +331,17 @@ class MeshConfig:
     decode_tp: int = 1
     decode_ep: int = 1
     replicas: int = 1
+    replica_devices: str = "blocks"  # "blocks" | "shared"
 
     def __post_init__(self):
         for name in ("prefill_tp", "decode_tp", "decode_ep", "replicas"):
             _positive_int(f"MeshConfig.{name}", getattr(self, name))
-        _check(self.replicas == 1 or (self.prefill_devices is None and self.decode_devices is None),
+        _check(self.replicas == 1 or self.replica_devices == "shared"
+               or (self.prefill_devices is None and self.decode_devices is None),
                f"MeshConfig.replicas={self.replicas} lays out each replica's devices itself; leave prefill_devices "
                f"and decode_devices unset (got {self.prefill_devices!r}, {self.decode_devices!r})")
+        _check(self.replica_devices in REPLICA_DEVICES,
+               f"MeshConfig.replica_devices must be one of {REPLICA_DEVICES}, got {self.replica_devices!r}")
         for name in ("prefill_devices", "decode_devices"):
             ids = getattr(self, name)
             _check(ids is None or (len(ids) > 0 and all(isinstance(i, int | np.integer) and i >= 0 for i in ids)),

@@ -102,6 +102,7 @@ class MeshSpec:
     decode_tp: int = 1
     decode_ep: int = 1
     replicas: int = 1  # data-parallel engine replicas (ReplicatedEngine), each over its own block of devices
+    replica_devices: str = "blocks"  # blocks: a device block each; shared: all devices each, compiled steps shared
 
 
 @dataclass
@@ -290,7 +291,7 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
     mesh = MeshConfig(prefill_devices=tuple(m.prefill_devices) if m.prefill_devices is not None else None,
                       decode_devices=tuple(m.decode_devices) if m.decode_devices is not None else None,
                       prefill_tp=int(m.prefill_tp), decode_tp=int(m.decode_tp), decode_ep=int(m.decode_ep),
-                      replicas=int(m.replicas))
+                      replicas=int(m.replicas), replica_devices=str(m.get("replica_devices", "blocks")))
     max_batch = e.max_batch if e.max_batch is not None else max(int(x) for x in as_list(cfg.workload.concurrency))
     return ServeConfig(mode=str(e.mode), quant=quant, cache=cache, mesh=mesh, max_batch=int(max_batch),
                        max_prefill_tokens=int(e.max_prefill_tokens), max_context=e.max_context, seed=int(e.seed),

@@ -17,6 +17,9 @@ loop thread, of uvicorn's thread and of every other thread (XLA's pools), and pe
 (received -> arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk),
 and per prefill launch the time from its launch until its results are handled (the chunk step's compute, the wait
 for the engine step that collects it, the handoff and the first tokens emitted) and the prompt chunks it carried.
+With engine replicas (``mesh.replicas``) every replica's loop is instrumented: phases are summed over the replicas
+(per step of any replica; shares of the wall time can then pass 1), ``decode_rows_mean`` is per replica's step, and
+``engine_loop`` CPU sums their threads.
 """
 
 from __future__ import annotations
@@ -138,6 +141,14 @@ def compiles(engine: Any) -> dict[str, int]:
             for k in ("background", "inline", "cover", "cover_at_limit")}
 
 
+def loop_cpu_s(threads: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of the engine loops' threads (summed as ``engine_loop``), uvicorn's and every other
+    thread's (:func:`~lab.bench.http_load.thread_cpu_s`)."""
+    cpu = thread_cpu_s(threads)
+    loops = sum(v for k, v in cpu.items() if k.startswith("engine_loop_"))
+    return {"engine_loop": loops, **{k: v for k, v in cpu.items() if not k.startswith("engine_loop_")}}
+
+
 def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, float], bench: dict) -> dict:
     """One concurrency's numbers (see the module docstring)."""
     steps = timers.calls.get("step", 0)
@@ -208,9 +219,12 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     server, thread, url = start_in_thread(app, port=spec.port_phaseserve, keep_alive_s=600.0)
     timers, finished, levels = Timers(), [], {}
     try:
-        loop = app.state.loops[0]
-        instrument(loop, timers, finished)
-        http_tid = thread.native_id
+        loops = app.state.loops  # one per engine replica: every one instrumented, their phases summed
+        for loop in loops:
+            instrument(loop, timers, finished)
+        threads = {f"engine_loop_{i}": loop.native_id for i, loop in enumerate(loops)}
+        threads["uvicorn"] = thread.native_id
+        engine = loops[0].backend.engine  # compile counts: the first replica's (replicas may share its steps)
         for pass_ in range(passes):
             for c in spec.concurrency:
                 n = int(spec.prompts.get(str(c), 4 * c))
@@ -218,17 +232,17 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                     vr.warm(spec, url, name, ckpt, c, out_dir / "raw" / f"profile_c{c}_warmup.json")
                 timers.reset()
                 finished.clear()
-                cpu0 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
-                comp0 = compiles(loop.backend.engine)
+                cpu0 = loop_cpu_s(threads)
+                comp0 = compiles(engine)
                 bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed + pass_,
                                       out_dir / "raw" / f"profile_p{pass_}_c{c}.json")
-                cpu1 = thread_cpu_s({"engine_loop": loop.native_id, "uvicorn": http_tid})
+                cpu1 = loop_cpu_s(threads)
                 start = min(m.received if m.received is not None else m.arrival for m in finished)
                 end = max(m.finished for m in finished)
                 timers.clip(start, end)
                 cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
                 lv = level_profile(timers, finished, end - start, cpu, bench)
-                lv["compiles"] = {k: v - comp0.get(k, 0) for k, v in compiles(loop.backend.engine).items()}
+                lv["compiles"] = {k: v - comp0.get(k, 0) for k, v in compiles(engine).items()}
                 levels.setdefault(pass_, {})[c] = lv
                 log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
                     f"step p50 {lv['step_ms_p50']:.2f} ms, decode.step p50 {lv['decode_step_ms_p50']:.2f} ms")

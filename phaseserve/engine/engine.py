@@ -608,7 +608,8 @@ class Engine:
 
         Decode shapes first (every step runs one), then prefill's. It stops compiling once the process holds
         :data:`MAP_USE_STOP` of the kernel's memory-map limit (:func:`memory_map_use`): a CPU process past it
-        segfaults in the next compile. ``shapes_left`` counts the shapes it left to compile on first use.
+        segfaults in the next compile (a shape whose step is compiled already, as replicas sharing their steps find it,
+        is still run). ``shapes_left`` counts the shapes it left to compile on first use.
         ``on_shape(phase, shape, seconds)`` is called after each shape compiles (``lab.bench.warmup_maps``)."""
         rows, chunk = self.max_batch, min(self.serve.max_prefill_tokens, self.limits.max_context)
         pages = min(self.limits.max_pages, -(-self.limits.max_context // self.serve.cache.page_size))
@@ -616,10 +617,13 @@ class Engine:
         todo += [("prefill_shapes", s) for s in self.prefill.shapes(rows, chunk, pages)]
         done = {"prefill_shapes": 0, "decode_shapes": 0}
         for phase, shape in todo:
-            if (use := memory_map_use()) is not None and use >= MAP_USE_STOP:
+            worker = self.decode if phase == "decode_shapes" else self.prefill
+            steps = getattr(worker, "steps", None)  # a remote worker's compiled steps are not in this process
+            shared = steps is not None and steps.ready(shape)  # compiled already (replicas sharing their steps)
+            if not shared and (use := memory_map_use()) is not None and use >= MAP_USE_STOP:
                 break
             t0 = time.perf_counter()
-            (self.decode if phase == "decode_shapes" else self.prefill).warm(*shape)
+            worker.warm(*shape)
             done[phase] += 1
             if on_shape is not None:
                 on_shape(phase, shape, time.perf_counter() - t0)

@@ -46,7 +46,10 @@ SUMMED = ("requests", "completed", "aborted", "errors", "output_tokens", "prefil
 def replica_devices(devices: list, mesh: MeshConfig, mode: str) -> list[list]:
     """Consecutive device blocks, one per replica: ``decode_tp * decode_ep`` devices each (colocated), plus
     ``prefill_tp`` (disaggregated; with every size 1 and one device per replica, the phases share it as an engine on a
-    one-device machine does)."""
+    one-device machine does). ``mesh.replica_devices == "shared"``: all of ``devices`` for every replica (each lays
+    its phases out over them as one engine would: the mesh's explicit device indices, or the defaults)."""
+    if mesh.replica_devices == "shared":
+        return [list(devices)] * mesh.replicas
     per = mesh.decode_tp * mesh.decode_ep + (mesh.prefill_tp if mode == "disaggregated" else 0)
     if mode == "disaggregated" and per == 2 and len(devices) < 2 * mesh.replicas:
         per = 1
@@ -102,6 +105,9 @@ class ReplicatedEngine:
         one = dataclasses.replace(serve, mesh=dataclasses.replace(mesh, replicas=1))
         self.cfg, self.serve = cfg, dataclasses.replace(serve, mesh=mesh)
         self.engines = [Engine(cfg, params, one, devices=block, **engine_kw) for block in blocks]
+        if mesh.replica_devices == "shared":  # one mesh: one executable per shape serves every replica
+            for e in self.engines[1:]:
+                e.prefill.steps, e.decode.steps = self.engines[0].prefill.steps, self.engines[0].decode.steps
         self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="phaseserve-replica")
         self._driving = False
         self.busy_s = 0.0  # summed wall time of this object's generate()/stream() calls since reset_metrics()

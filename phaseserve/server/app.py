@@ -5,7 +5,8 @@
 :class:`~phaseserve.server.loop.EngineLoop` thread; handlers only submit, await and format, so no handler blocks the
 engine and every client's requests share its continuous batch. ``backend`` may also be a list -- data-parallel
 replicas behind one endpoint (e.g. the engines of a :class:`phaseserve.ReplicatedEngine`), one loop thread each:
-a new request goes to the loop with the fewest tokens in flight (:class:`Balancer`), and ``/metrics`` sums the
+a new request goes to the loop that holds its prompt's longest cached prefix unless that loop is much busier, else
+to the one with the fewest tokens in flight (:class:`~phaseserve.server.routing.Balancer`), and ``/metrics`` sums the
 replicas' gauges and totals. A stream writes one server-sent-events batch per
 update the loop hands over (every token, or every ``stream_interval`` tokens; the last text delta carries the
 ``finish_reason``, and the usage chunk and ``[DONE]`` go in the same write).
@@ -44,13 +45,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Request, RequestError, RequestOutput
-from phaseserve.engine.replicas import request_load
 from phaseserve.engine.request import validate
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
 from phaseserve.server.logprobs import chat_logprobs, completion_logprobs, token_string
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
+from phaseserve.server.routing import Balancer
 from phaseserve.server.schemas import (
+    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -66,13 +68,6 @@ DEFAULT_MAX_IN_FLIGHT = 1024  # requests open at once (streams and waits) before
 HTTP_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
-
-
 def _failure(out: RequestOutput) -> ApiError | None:
     """The HTTP error of a request that ended without a reply (None: it finished normally or was cut by a stop)."""
     if out.finish_reason == "error" and isinstance(out.error, RequestError):
@@ -80,33 +75,6 @@ def _failure(out: RequestOutput) -> ApiError | None:
     if out.finish_reason in ("error", "aborted"):
         return ApiError(500, f"{type(out.error).__name__}: {out.error}", "server_error")
     return None
-
-
-class Balancer:
-    """Which engine loop takes a new request: the one with the fewest tokens in flight (prompt + ``max_tokens`` of
-    its requests not yet closed), ties to the lowest index -- data-parallel routing by load, as a load balancer in
-    front of vLLM or SGLang replicas does. At most ``max_in_flight`` requests are open at once over all loops (the
-    engines' waiting queues are bounded under any load): one more is a 503 ``server_overloaded``. Used from the
-    event-loop thread only."""
-
-    def __init__(self, loops: list[EngineLoop], max_in_flight: int | None = None):
-        self.loops = loops
-        self.load = [0] * len(loops)
-        self.in_flight = 0
-        self.max_in_flight = max_in_flight
-
-    def acquire(self, req: Request) -> int:
-        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
-            raise ApiError(503, f"the server has {self.in_flight} requests in flight, its limit; retry later",
-                           "server_error", code="server_overloaded")
-        i = min(range(len(self.loops)), key=lambda j: (self.load[j], j))
-        self.load[i] += request_load(req)
-        self.in_flight += 1
-        return i
-
-    def release(self, i: int, req: Request) -> None:
-        self.load[i] -= request_load(req)
-        self.in_flight -= 1
 
 
 class Generation:
@@ -209,7 +177,8 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
         loops = [EngineLoop(b, on_finish=metrics.on_finish, on_step=functools.partial(metrics.on_step, source=i),
                             stream_interval=stream_interval) for i, b in enumerate(backends)]
         app.state.loops = loops
-        state["balancer"] = Balancer(loops, max_in_flight)
+        capacity = getattr(getattr(backends[0], "engine", None), "max_batch", None)  # each replica's batch
+        state["balancer"] = Balancer(loops, max_in_flight, page_size=limits.page_size, capacity=capacity)
         yield
         for loop in loops:
             loop.close()

@@ -332,6 +332,15 @@ class DetokenizeRequest(_Lenient):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class ApiError(Exception):
+    """An HTTP error in OpenAI's body: ``status`` and ``body`` (:func:`error_body`)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""

@@ -1,5 +1,6 @@
 """Data-parallel engine replicas (``phaseserve.engine.replicas``): each replica is an engine on its own device
-block, the requests are split by load, and the outputs equal one engine's; bad requests, duplicates, early-closed
+block (or all on one, sharing their compiled steps), the requests are split by load, and the outputs equal one
+engine's; bad requests, duplicates, early-closed
 streams and configuration errors behave as on one engine."""
 
 from __future__ import annotations
@@ -88,6 +89,30 @@ def test_stream_equals_generate_and_early_close_cancels(model, replicas):
     assert replicas.generate(reqs[:2])[0].tokens == ref[reqs[0].id]  # still serving
 
 
+def test_shared_replicas_run_one_executable_per_shape_and_equal_one_engine(model):
+    cfg, params = model
+    reqs = random_requests(cfg.vocab_size, 7, seed=8)
+    single = ps.Engine(cfg, params, serve_config("disaggregated", max_batch=8)).generate(reqs)
+    eng = ReplicatedEngine(cfg, params, serve_config("disaggregated",
+                                                     mesh=ps.MeshConfig(replicas=2, replica_devices="shared")))
+    try:
+        first, second = eng.engines
+        assert second.prefill.steps is first.prefill.steps and second.decode.steps is first.decode.steps
+        assert [{d.id for d in e.decode_mesh.devices.flat} for e in eng.engines] == [{1}, {1}]
+        outs = eng.generate(reqs)
+        assert [o.tokens for o in outs] == [o.tokens for o in single]
+        assert all(p["requests"] > 0 for p in eng.summary()["replicas"])
+        compiled = len(first.decode.steps._ready) + len(first.prefill.steps._ready)
+        assert compiled > 0
+        second.decode.warm(*next(iter(first.decode.steps._ready)))  # compiled by the first: run, not compiled again
+        assert len(first.decode.steps._ready) + len(first.prefill.steps._ready) == compiled
+        for e in eng.engines:
+            assert e.allocator.num_free == e.num_pages - 1
+        eng.check_invariants()
+    finally:
+        eng.close()
+
+
 def test_replica_configuration_errors(model):
     cfg, params = model
     with pytest.raises(ConfigError, match="ReplicatedEngine"):
@@ -99,6 +124,10 @@ def test_replica_configuration_errors(model):
     mesh = ps.MeshConfig(replicas=2)  # disaggregated on two devices: each replica's phases share its device
     assert [[d.id for d in b] for b in replica_devices(jax.devices()[:2], mesh, "disaggregated")] == [[0], [1]]
     assert [[d.id for d in b] for b in replica_devices(jax.devices(), mesh, "disaggregated")] == [[0, 1], [2, 3]]
+    shared = dataclasses.replace(mesh, replicas=3, replica_devices="shared")
+    assert [[d.id for d in b] for b in replica_devices(jax.devices()[:2], shared, "disaggregated")] == [[0, 1]] * 3
+    with pytest.raises(ConfigError, match="replica_devices"):
+        ps.MeshConfig(replicas=2, replica_devices="spread")
     two_tp = dataclasses.replace(mesh, decode_tp=2)
     assert [[d.id for d in b] for b in replica_devices(jax.devices(), two_tp, "colocated")] == [[0, 1], [2, 3]]
 

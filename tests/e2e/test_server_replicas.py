@@ -25,8 +25,8 @@ import phaseserve as ps
 from lab.eval.demo import default_model_path
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.server import EngineBackend, create_app
-from phaseserve.server.app import Balancer
 from phaseserve.server.launch import start_in_thread
+from phaseserve.server.routing import Balancer
 from tests.e2e.test_server import _idle, _metric
 
 MODEL = "phaseserve-default"
@@ -139,6 +139,32 @@ def test_the_balancer_sends_each_request_to_the_fewest_tokens_in_flight(ops, n):
             assert expect[i] == min(expect) and i == expect.index(min(expect))  # least loaded, ties to the lowest
             inflight.append((i, req))
         assert bal.load == [sum(len(r.prompt) + r.max_tokens for j, r in inflight if j == i) for i in range(n)]
+
+
+def test_the_balancer_sends_a_cached_prefix_to_its_replica_within_the_slack():
+    bal = Balancer([object()] * 2, page_size=4, affinity_slack=2.0)
+    shared = [7, 7, 7, 7, 8, 8, 8, 8]
+
+    def req(k, prompt, mt=8, tenant=""):
+        return ps.Request(id=f"a{k}", prompt=prompt, max_tokens=mt, tenant=tenant)
+
+    first = req(0, shared + [1])
+    assert bal.acquire(first) == 0
+    assert bal.acquire(req(1, [5] * 9)) == 1  # no prefix held: the least loaded
+    assert bal.acquire(req(2, shared + [2, 3])) == 0  # two pages held by replica 0, its load within 2x this one's
+    assert bal.acquire(req(3, shared[:4] + [9] * 5)) == 0  # the first page alone matches
+    assert bal.acquire(req(4, shared + [4], tenant="other")) == 1  # another tenant's chain: no match
+    assert bal.affinity_hits == 2
+    tight = Balancer([object()] * 2, page_size=4, affinity_slack=1.0)  # each request's load: 9 + 8 = 17
+    assert [tight.acquire(req(k, shared + [k])) for k in range(3)] == [0, 0, 1]  # 17 - 0 <= 17; 34 - 0 > 17
+    assert tight.load == [34, 17]
+    assert tight.acquire(req(3, shared + [3])) == 1  # the chain now points at replica 1, the one that took it last
+    full = Balancer([object()] * 2, page_size=4, capacity=1)
+    assert [full.acquire(req(k, shared + [k])) for k in range(2)] == [0, 1]  # replica 0's batch is full
+    assert full.affinity_hits == 0 and full.count == [1, 1]
+    capped = Balancer([object()] * 2, page_size=4, entries=3)
+    capped.acquire(req(21, shared * 3))
+    assert len(capped.owner) == 3
 
 
 def test_the_server_config_builds_one_backend_per_replica():

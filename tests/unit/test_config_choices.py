@@ -27,6 +27,7 @@ FIELDS = [
     ("CacheConfig.admission", lambda v: ps.CacheConfig(admission=v), C.ADMISSIONS),
     ("CacheConfig.preemption", lambda v: ps.CacheConfig(preemption=v), C.PREEMPTIONS),
     ("ServeConfig.mode", lambda v: ps.ServeConfig(mode=v), C.SERVE_MODES),
+    ("MeshConfig.replica_devices", lambda v: ps.MeshConfig(replica_devices=v), C.REPLICA_DEVICES),
 ]
 BAD = ["", "int32", "float16", "uint8", "Reserve", "mla ", "none"]
 
