@@ -1,10 +1,13 @@
 """Two engine replicas behind one OpenAI-compatible endpoint, driven by the official ``openai`` client.
 
-The shipped default model is loaded once; a :class:`phaseserve.ReplicatedEngine` lays one engine on each of two
-(simulated CPU) devices, and the HTTP server runs each replica's engine loop in its own thread behind one endpoint
-(``python -m phaseserve.server mesh=single mesh.replicas=2 engine.mode=colocated`` does the same from the command
-line). Eight streamed completions are sent at once; the balancer spreads them over the replicas by the tokens each
-has in flight. The script checks the streamed text against the replicas' own in-process greedy output and prints
+The shipped default model is loaded once; a :class:`phaseserve.ReplicatedEngine` builds two engines over the same
+(simulated CPU) device layout sharing their compiled steps (``MeshConfig(replica_devices="shared")``: on a CPU the
+simulated devices are one pool of cores, so the replicas' threads are what runs them at once), and the HTTP server
+runs each replica's engine loop in its own thread behind one endpoint (``python -m phaseserve.server mesh.replicas=2
+mesh.replica_devices=shared engine.mode=colocated`` does the same from the command line). Eight streamed
+completions are sent at once; the balancer sends a prompt to the replica that holds its cached prefix
+(``phaseserve.server.routing``; these eight share no page) and otherwise spreads them by the tokens each replica has
+in flight. The script checks the streamed text against the replicas' own in-process greedy output and prints
 how many requests each replica served and the server's Prometheus token counter.
 
 Run: ``python examples/server_replicas.py`` (CPU is fine; it simulates 2 devices).
@@ -30,7 +33,8 @@ tok = ByteTokenizer()
 cfg, params = ps.load_checkpoint(default_model_path(), "float32")
 f32 = ps.QuantConfig(prefill_weights="float32", decode_weights="float32", kv_dtype="float32",
                      prefill_kv_dtype="float32")
-serve = ps.ServeConfig(mode="colocated", quant=f32, max_batch=8, mesh=ps.MeshConfig(replicas=2),
+serve = ps.ServeConfig(mode="colocated", quant=f32, max_batch=8,
+                       mesh=ps.MeshConfig(replicas=2, replica_devices="shared"),
                        cache=ps.CacheConfig(page_size=16, num_pages=128, max_pages_per_seq=8))
 replicas = ps.ReplicatedEngine(cfg, params, serve)
 prompts = [f"def {name}(items):\n    \"\"\"Return the {what} of the items.\"\"\"\n    return "

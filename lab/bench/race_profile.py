@@ -214,7 +214,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     setup_jax(cfg)
     tok = tokenizer_of(cfg)
     backend = build_backend(cfg)
-    warm_up([backend], str(cfg.experiment.get("warmup", "auto")))  # as the server does
+    warm_up(backend if isinstance(backend, list) else [backend], str(cfg.experiment.get("warmup", "auto")))  # as serve
     app = create_app(backend, tok, name, stream_interval=int(cfg.experiment.stream_interval))
     server, thread, url = start_in_thread(app, port=spec.port_phaseserve, keep_alive_s=600.0)
     timers, finished, levels = Timers(), [], {}
