@@ -126,7 +126,8 @@ def gpu_recipe_smoke(cmd: str) -> None:
 
 CHECKS = {
     "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/python experiments/serve.py": run_main_job,
-    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q -n 2': in_ci_script,
+    'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q -n 2 --dist loadfile':
+        in_ci_script,
     ".venv/bin/python -m phaseserve.server": run_server,
     ".venv/bin/python -m phaseserve.server experiment.port=8001 engine.mode=colocated mesh=single": run_server,
     '.venv/bin/pip install -e ".[cuda]"': pip_dry_run,
