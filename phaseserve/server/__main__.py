@@ -20,6 +20,7 @@ other arguments are Hydra overrides of configs/server.yaml, e.g.
   engine.mode=colocated quant=f32 mesh=single     one mesh, float32 weights and KV
   experiment.backend=ray                          prefill + decode in two Ray actors
   mesh=single mesh.replicas=2 engine.mode=colocated
+  mesh.replicas=2 mesh.replica_devices=shared     2 replicas on one device layout, compiled steps shared (CPU)
   cache.max_pages_per_seq=16                      cap the context (default: the model's)
 (see docs/server.md)"""
 
