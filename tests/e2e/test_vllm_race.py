@@ -189,3 +189,35 @@ def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
     lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
     assert lv["prefill_in_flight_ms_p50"] == pytest.approx(30.0) and lv["prefill_chunks_per_launch"] == 2.0
     assert "| prompt chunks per prefill launch (mean) | 2.00 |" in rpf.markdown({1: lv})
+
+
+def test_profile_sums_the_replicas_loop_threads():
+    import threading
+    import time
+
+    from lab.bench import race_profile as rpf
+
+    stop, done = threading.Event(), [threading.Event(), threading.Event()]
+
+    def spin(i):  # burn some CPU, then idle (its CPU time no longer moves) until told to stop
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        done[i].set()
+        stop.wait(60)
+
+    workers = [threading.Thread(target=spin, args=(i,)) for i in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        assert all(d.wait(60) for d in done)
+        tids = {f"engine_loop_{i}": w.native_id for i, w in enumerate(workers)}
+        cpu = rpf.loop_cpu_s({**tids, "uvicorn": threading.get_native_id()})
+        each = rpf.thread_cpu_s(tids)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert set(cpu) == {"engine_loop", "uvicorn", "other"}
+    assert each["engine_loop_0"] >= 0.04 and each["engine_loop_1"] >= 0.04
+    assert cpu["engine_loop"] == pytest.approx(each["engine_loop_0"] + each["engine_loop_1"], abs=2e-3)
