@@ -76,6 +76,7 @@ class ShapeCache:
         self._ready: dict[Key, Any] = {}
         self._pending: set[Key] = set()
         self._lock = threading.Lock()
+        self._compiling: dict[Key, threading.Lock] = {}  # a key's in-caller compile (replicas share one cache)
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"phaseserve-compile-{name}")
                       if background else None)
         self.stats: collections.Counter = collections.Counter()
@@ -138,14 +139,21 @@ class ShapeCache:
         if exe is not None:
             self.stats["exact"] += 1
             return exe
-        if (use := memory_map_use()) is not None and use >= MAP_USE_REFUSE:
-            raise CompileLimitError(f"the {self.name} step's shape {key} is not compiled, and this process holds "
-                                    f"{use:.0%} of the kernel's memory-map limit (vm.max_map_count): compiling it "
-                                    "would crash the process")
-        exe = self.step.lower(*args).compile()
-        self._ready[key] = exe
-        self.stats["inline"] += 1
-        return exe
+        with self._lock:
+            key_lock = self._compiling.setdefault(key, threading.Lock())
+        with key_lock:  # two threads meeting the same new shape compile it once
+            exe = self._ready.get(key)
+            if exe is not None:
+                self.stats["exact"] += 1
+                return exe
+            if (use := memory_map_use()) is not None and use >= MAP_USE_REFUSE:
+                raise CompileLimitError(f"the {self.name} step's shape {key} is not compiled, and this process holds "
+                                        f"{use:.0%} of the kernel's memory-map limit (vm.max_map_count): compiling "
+                                        "it would crash the process")
+            exe = self.step.lower(*args).compile()
+            self._ready[key] = exe
+            self.stats["inline"] += 1
+            return exe
 
     def wait(self) -> None:
         """Block until the queued background compiles are done (tests, benchmarks)."""

@@ -134,6 +134,28 @@ class _CountingStep:
         return f"exe{self.compiles}"
 
 
+def test_threads_meeting_one_new_shape_compile_it_once():
+    import threading
+    import time
+
+    class SlowStep(_CountingStep):
+        def compile(self):
+            time.sleep(0.2)  # both threads arrive while the first compile runs
+            return super().compile()
+
+    step = SlowStep()
+    cache = ShapeCache(step, "decode", background=False)  # as replicas sharing one cache compile in their callers
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.executable((8, 2), ("concrete",)))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert step.compiles == 1 and got == ["exe1", "exe1"]
+    assert cache.stats["inline"] == 1 and cache.stats["exact"] == 1
+    cache.close()
+
+
 def test_near_the_memory_map_limit_covers_stop_compiling_and_a_compile_is_refused(monkeypatch):
     """From MAP_USE_STOP of the kernel's memory-map limit a covered shape runs on its cover without queueing its own
     compile; from MAP_USE_REFUSE a shape with no cover raises CompileLimitError instead of compiling (which would
