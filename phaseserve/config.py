@@ -365,6 +365,9 @@ class ServeConfig:
     # max_prefill_tokens. Small launches spread the first tokens of a burst of arrivals over the decode steps.
     decoding_prefill_tokens: int | None = 256
     prefill_in_flight: int = 1  # prefill launches queued on the prefill mesh at once (overlap_prefill)
+    # the decode worker launches the next step before reading this one's tokens (fed on the device), used when the
+    # next step's inputs turn out the same, so the host's work between steps overlaps the device's
+    decode_lookahead: bool = True
 
     def __post_init__(self):
         _choice("ServeConfig.mode", self.mode, SERVE_MODES)
@@ -389,6 +392,8 @@ class ServeConfig:
             _positive_int("ServeConfig.decoding_prefill_tokens", self.decoding_prefill_tokens)
         _check(isinstance(self.overlap_prefill, bool), f"ServeConfig.overlap_prefill must be a bool, got "
                                                        f"{self.overlap_prefill!r}")
+        _check(isinstance(self.decode_lookahead, bool), f"ServeConfig.decode_lookahead must be a bool, got "
+                                                        f"{self.decode_lookahead!r}")
         for name in ("prefill_tp", "decode_tp", "decode_ep"):
             if hasattr(self.mesh, name):
                 _positive_int(f"MeshConfig.{name}", getattr(self.mesh, name))

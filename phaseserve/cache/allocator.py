@@ -142,6 +142,10 @@ class PageAllocator:
         self.tags[page] = tag
         self._pending[page] = tag
 
+    def pending_touch(self, pages: np.ndarray) -> bool:
+        """Whether a tag change not yet drained (:meth:`drain_tag_updates`) is on any of ``pages`` (int array)."""
+        return bool(self._pending) and bool(np.isin(pages, np.fromiter(self._pending, np.int64)).any())
+
     def drain_tag_updates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pending device tag changes since the last drain: (pages i32[n], tags u32[n]); clears them."""
         if not self._pending:

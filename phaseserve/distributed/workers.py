@@ -241,7 +241,10 @@ class RemoteDecode(RemoteWorker):
             return np.arange(self.num_pages, dtype=np.int32), self.allocator.tags.copy()
         return pages, tags
 
-    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
+    def step(self, rows: list[Sequence], lookahead: bool = False,
+             ) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
+        """``DecodeWorker.step`` over the actor (one call per step; ``lookahead`` is not done: nothing is launched
+        ahead of a remote call)."""
         batch, check = decode_inputs(self.tables, rows)
         nxt, failures, device_s, lps = self._run(batch, check, [s.id for s in rows])
         scrub_after_step(self, rows, nxt, failures)

@@ -16,6 +16,11 @@ One :meth:`Engine.step`::
         (not waited for)  ->  integrity check (separate jitted launch)  ->  decode step for the prefilled requests,
         on the decode mesh while the prefill computes  ->  bookkeeping
 
+Decode lookahead (``ServeConfig.decode_lookahead``, the default): the decode worker launches the next decode step for
+the same rows before it reads this step's tokens (fed on the device), so the host's work between two steps overlaps
+the device's; the next step uses it only if its inputs turn out exactly the same (``workers.Ahead.matches``), else
+drops it. Not launched while a prefill is in flight (its rows are about to change).
+
 Overlap (``ServeConfig.overlap_prefill``, the default): prefill and decode run on disjoint meshes, so a step does
 not wait for the prefill it launched; the decode rows keep stepping and a later step collects each launch once it
 has finished (up to ``ServeConfig.prefill_in_flight`` launches queued on the prefill mesh, 1 by default: one
@@ -502,17 +507,19 @@ class Engine:
 
     def _run_decode(self, rows: list[Sequence], events: list) -> None:
         t0 = time.perf_counter()
-        device_s = self._decode_rows(rows, events)
+        # launch the next step before reading this one's tokens, unless a prefill in flight is about to add rows
+        device_s = self._decode_rows(rows, events, lookahead=self.serve.decode_lookahead and not self._inflight)
         self.metrics.decode_steps += 1
         self.metrics.decode_time += device_s
         self.metrics.host_time += time.perf_counter() - t0 - device_s
 
-    def _decode_rows(self, rows: list[Sequence], events: list) -> float:
-        """One decode step for ``rows`` (retried in halves if it raises); returns the device seconds."""
+    def _decode_rows(self, rows: list[Sequence], events: list, lookahead: bool = False) -> float:
+        """One decode step for ``rows`` (retried in halves if it raises); returns the device seconds. ``lookahead``:
+        the decode worker launches the next step for these rows before reading this one's tokens."""
         try:
             for hook in self.fault_hooks:
                 hook(self, rows)
-            nxt, failures, device_s, lps = self.decode.step(rows)
+            nxt, failures, device_s, lps = self.decode.step(rows, lookahead=lookahead)
         except Exception as e:
             if not self._device_failure(rows, e):
                 return 0.0

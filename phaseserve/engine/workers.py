@@ -8,6 +8,8 @@ Ray actors: ``phaseserve.distributed``): each owns one phase's weights-on-mesh a
   and its jitted steps: :meth:`~DecodeWorker.land` writes handed-over whole pages into a request's pages,
   :meth:`~DecodeWorker.step` runs one integrity-checked decode step for a list of running sequences and returns the
   next tokens plus the typed failures (pages of rows that read NaN/inf are scrubbed before anyone releases them);
+  with ``lookahead`` it launches the next step before reading this one's tokens (:class:`Ahead`), so the host's
+  work between two steps overlaps the device's;
   :meth:`~DecodeWorker.swap_out` / :meth:`~DecodeWorker.swap_in` copy pages to host memory and back, bit for bit
   (preemption by swap).
 
@@ -21,6 +23,7 @@ each phase's device half in a Ray actor and keeps the host half, with the one sc
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any, NamedTuple
 
@@ -93,20 +96,25 @@ def scrub_pages(worker: Any, pages: list[int]) -> None:
 
 
 def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt: np.ndarray,
-                   failures: dict[str, KVIntegrityError]) -> list[int]:
+                   failures: dict[str, KVIntegrityError], ahead: bool = False) -> list[int]:
     """After a decode step: the pages that may hold NaN/inf (every page of a row that read them; the page of this
-    step's token of a row that produced them), to be zeroed before anyone releases them."""
+    step's token of a row that produced them, and with ``ahead`` -- a next step launched before these tokens were
+    read -- the page of its position too), to be zeroed before anyone releases them."""
     scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in tables.owned(rid)]
     # a row that overflowed wrote NaN only into the page of this step's token (never a shared prompt page)
-    scrub += [tables.owned(s.id)[s.next_position // page_size]
-              for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_TOKEN]
-    return scrub
+    for s, tok in zip(rows, nxt, strict=False):
+        if tok == NONFINITE_TOKEN:
+            owned = tables.owned(s.id)
+            scrub += [owned[q // page_size] for q in range(s.next_position, s.next_position + 1 + ahead)
+                      if q // page_size < len(owned)]
+    return list(dict.fromkeys(scrub))
 
 
-def scrub_after_step(worker: Any, rows: list[Sequence], nxt: np.ndarray, failures: dict[str, KVIntegrityError]) -> None:
+def scrub_after_step(worker: Any, rows: list[Sequence], nxt: np.ndarray, failures: dict[str, KVIntegrityError],
+                     ahead: bool = False) -> None:
     """A decode worker's host half after a step: :func:`pages_to_scrub` zeroed in its pool (before any release) and
     forgotten by its allocator, so no prefix hit revives them once they are free."""
-    pages = pages_to_scrub(worker.tables, worker.page_size, rows, nxt, failures)
+    pages = pages_to_scrub(worker.tables, worker.page_size, rows, nxt, failures, ahead)
     worker.tables.allocator.forget(pages)
     worker.scrub(pages)
 
@@ -248,6 +256,48 @@ class PrefillWorker:
         self.pool = import_paged(self._import, self.pool, pages, payload)
 
 
+class Pending(NamedTuple):
+    """A decode step launched (:meth:`DecodeWorker.launch`): its padded host inputs, the integrity check's inputs,
+    and its device outputs ``(next, ok, finite, logprobs)``."""
+
+    batch: DecodeBatch
+    check: tuple
+    out: tuple
+
+
+class Ahead(NamedTuple):
+    """A decode step launched before the host knew its input tokens (:meth:`DecodeWorker._launch_ahead`): the
+    previous step's sampled tokens fed on the device. ``planned`` is the host batch it ran on, its ``tokens`` filled
+    in once the previous step's tokens are read (:meth:`known`)."""
+
+    ids: tuple[str, ...]
+    planned: DecodeBatch
+    check: tuple  # (page table, expected tags, live pages) its integrity check ran on
+    launched: Pending
+
+    def known(self, nxt: np.ndarray) -> Ahead:
+        """The previous step's tokens (i32[B] host) read: the tokens this step was fed."""
+        return self._replace(planned=self.planned.replace(tokens=np.where(self.planned.active & (nxt >= 0), nxt, 0)))
+
+    def matches(self, ids: list[str], batch: DecodeBatch, check: tuple, allocator: PageAllocator) -> bool:
+        """Whether this launch is exactly the step the host would launch now for ``ids``: the same rows in the same
+        order, every host input equal (``batch`` and ``check`` padded to its shape), and no page tag change still
+        to reach the device for a page a row reads (the check it ran would then differ from one run now)."""
+        shape = self.planned.page_table.shape
+        if tuple(ids) != self.ids or batch.page_table.shape[1] > shape[1]:
+            return False
+        if batch.page_table.shape != shape:  # it ran on a larger compiled shape
+            batch, check = pad_decode_inputs(batch, check, *shape)
+        if not all(np.array_equal(x, y) for x, y in zip(check, self.check, strict=True)):
+            return False
+        if not all(np.array_equal(getattr(batch, f), getattr(self.planned, f)) for f in DECODE_FIELDS):
+            return False
+        return not allocator.pending_touch(check[0])
+
+
+DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeBatch))
+
+
 class DecodeWorker:
     """The decode cache (its pages in :attr:`pool_dtype`, the KV storage dtype) and the decode weights on the decode
     mesh, with the jitted decode/scatter/scrub steps."""
@@ -259,6 +309,8 @@ class DecodeWorker:
             raise ValueError(f"the KV budget gives {num_pages} pages; need at least 2 (one is the null page)")
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.pool_dtype, self.num_pages, self.page_size = pool_dtype, num_pages, page_size
+        self._ahead: Ahead | None = None  # the next step, launched before this one's tokens were read
+        self.lookahead_stats: collections.Counter = collections.Counter()  # launches ahead used / dropped
         pool = init_pool(cfg, num_pages, page_size, pool_dtype)
         self._pool_sharding = pool_shardings(pool, mesh)
         self.pool = jax.device_put(pool, self._pool_sharding)
@@ -280,7 +332,19 @@ class DecodeWorker:
         self._import = jax.jit(import_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
         self._export = jax.jit(export_pages, static_argnums=(2,), out_shardings=rep)
         self._clear = jax.jit(clear_pages, out_shardings=self._pool_sharding, donate_argnums=(0,))
+        self._feed = jax.jit(lambda nxt, active: jnp.where(active & (nxt >= 0), nxt, 0), out_shardings=rep)
         self.sharding = rep
+
+    @property
+    def pool(self) -> Any:
+        return self._pool
+
+    @pool.setter
+    def pool(self, value: Any) -> None:
+        """Anything but a decode step writing the pool (pages landed, scrubbed, swapped in, a test's fault): a step
+        launched ahead did not see the write, so it is dropped."""
+        self.lookahead_stats["dropped"] += self._ahead is not None
+        self._pool, self._ahead = value, None
 
     def pool_ok(self) -> bool:
         """False when a failed call consumed the (donated) pool: its buffers are gone."""
@@ -326,34 +390,77 @@ class DecodeWorker:
         """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
         return export_paged(self._export, self.pool, pages, dtype)
 
-    def step(self, rows: list[Sequence]) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
+    def step(self, rows: list[Sequence], lookahead: bool = False,
+             ) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
         """One decode step for ``rows``: (next tokens i32[len(rows)], failures by id, device seconds, the tokens'
-        host logprob arrays ``(logprob, top logprobs, top ids)`` indexed by row, None unless a row asked)."""
+        host logprob arrays ``(logprob, top logprobs, top ids)`` indexed by row, None unless a row asked).
+
+        The step the previous call launched ahead is this one when it ran on exactly these inputs
+        (:meth:`Ahead.matches`); else it is dropped and this step launched now. ``lookahead``: before reading this
+        step's tokens, launch the next step for the same rows (:meth:`_launch_ahead`)."""
         batch, check = decode_inputs(self.tables, rows)
-        nxt, failures, device_s, lps = self.run_batch(batch, check, [s.id for s in rows])
-        scrub_after_step(self, rows, nxt, failures)
+        ids = [s.id for s in rows]
+        t0 = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.matches(ids, batch, check, self.allocator):
+            launched = ahead.launched
+            self.lookahead_stats["used"] += 1
+        else:
+            self.lookahead_stats["dropped"] += ahead is not None
+            launched = self.launch(batch, check)
+        if lookahead:
+            self._ahead = self._launch_ahead(launched, ids, rows)
+        nxt, failures, lps = self.fetch(launched, ids)
+        device_s = time.perf_counter() - t0
+        if self._ahead is not None:
+            self._ahead = self._ahead.known(nxt)
+        scrub_after_step(self, rows, nxt, failures, ahead=self._ahead is not None)
         return nxt[: len(rows)], failures, device_s, lps
 
     def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str], exact: bool = False,
                   ) -> tuple[np.ndarray, dict, float, Any]:
-        """The device half of :meth:`step`: the integrity check (``check`` = page table, expected tags, live pages)
-        and the jitted step; (next tokens i32[B], failures by id, device seconds, logprob arrays or None). A shape
-        not compiled yet runs on a larger compiled one meanwhile, as :meth:`PrefillWorker.run_batch`."""
+        """The device half of :meth:`step` (nothing launched ahead): the integrity check (``check`` = page table,
+        expected tags, live pages) and the jitted step; (next tokens i32[B], failures by id, device seconds, logprob
+        arrays or None)."""
+        t0 = time.perf_counter()
+        nxt, failures, lps = self.fetch(self.launch(batch, check, exact), ids)
+        return nxt, failures, time.perf_counter() - t0, lps
+
+    def launch(self, batch: DecodeBatch, check: tuple, exact: bool = False) -> Pending:
+        """The integrity check and the jitted step launched, not waited for. A shape not compiled yet runs on a
+        larger compiled one meanwhile, as :meth:`PrefillWorker.run_batch`."""
         key = batch.page_table.shape
         use = key if exact else self.steps.choose(key, self._abstract_step)
         if use != key:
             batch, check = pad_decode_inputs(batch, check, *use)
-        pt, expected, live = check
-        b = len(batch.tokens)
-        t0 = time.perf_counter()
-        ok = self.tracker.check(pt, expected, live)
+        ok = self.tracker.check(*check)
         step = self.steps.executable(use, (self.params, self.pool, batch, ok))
-        nxt, self.pool, finite, lps = step(self.params, self.pool, batch, ok)
-        lps = lps if batch.want_logprobs.any() else None
+        nxt, self._pool, finite, lps = step(self.params, self._pool, batch, ok)
+        return Pending(batch, check, (nxt, ok, finite, lps))
+
+    def fetch(self, p: Pending, ids: list[str]) -> tuple[np.ndarray, dict, Any]:
+        """A launched step waited for: (next tokens i32[B], failures by id, logprob arrays or None)."""
+        nxt, ok, finite, lps = p.out
+        lps = lps if p.batch.want_logprobs.any() else None
         nxt, ok_h, finite_h, lps = jax.device_get((nxt, ok, finite, lps))
-        device_s = time.perf_counter() - t0
-        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, (pt, expected, live))
-        return np.asarray(nxt), failures, device_s, lps
+        b = len(p.batch.tokens)
+        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, p.check)
+        return np.asarray(nxt), failures, lps
+
+    def _launch_ahead(self, p: Pending, ids: list[str], rows: list[Sequence]) -> Ahead | None:
+        """The step after ``p`` for the same rows, launched now: each row's token sampled by ``p`` fed on the
+        device at the next position, its sampling step one further, the same pages. None (nothing launched) when
+        a row ends by length with ``p``'s token or its next position is past its pages."""
+        b = p.batch
+        if any(s.num_generated + 1 >= s.request.max_tokens for s in rows):
+            return None
+        step = b.active.astype(np.int32)
+        positions = b.positions + step
+        if not np.all(~b.active | (positions < p.check[2] * self.page_size)):
+            return None
+        planned = b.replace(positions=positions, steps=b.steps + step)
+        tokens = self._feed(p.out[0], b.active)  # i32[B] on the device: where(active, sampled, 0)
+        return Ahead(tuple(ids), planned, p.check, self.launch(planned.replace(tokens=tokens), p.check, exact=True))
 
     def _abstract_step(self, key: tuple[int, int]) -> tuple:
         """The decode step's arguments at padded shape ``key`` as ``jax.ShapeDtypeStruct`` trees (``ok`` as the

@@ -1,0 +1,129 @@
+"""The decode step launched ahead (``ServeConfig.decode_lookahead``): the decode worker launches the next step
+before reading this one's tokens, the sampled tokens fed on the device, and uses it only when the host's next step
+has exactly its inputs. Outputs equal those of the engine without it, under staggered arrivals, sampling, logprobs
+and on-demand page growth; a fault injected between two steps still ends only the victim; the pages a step ahead
+may have written NaN into are scrubbed with the rest."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import phaseserve as ps
+from lab.faults import FaultInjector
+from phaseserve.cache.allocator import PageAllocator, PageTables
+from phaseserve.cache.integrity import KVIntegrityError
+from phaseserve.engine.sampling import NONFINITE_TOKEN
+from phaseserve.engine.workers import pages_to_scrub
+from tests.e2e.engine_utils import make_checkpoint, random_requests, serve_config
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    _, cfg, params = make_checkpoint("deepseek_v3_grouped", tmp_path_factory.mktemp("mla"), seed=3)
+    return cfg, params
+
+
+def _requests(vocab: int) -> list[ps.Request]:
+    reqs = random_requests(vocab, 8, seed=5, min_len=3, max_len=14, max_tokens=(4, 16))
+    reqs[1] = ps.Request(id="sampled", prompt=reqs[1].prompt, max_tokens=12, temperature=0.9, top_p=0.9, seed=11,
+                         ignore_eos=True)
+    reqs[2] = ps.Request(id="logprobs", prompt=reqs[2].prompt, max_tokens=9, logprobs=2, ignore_eos=True)
+    return reqs
+
+
+def _serve(engine: ps.Engine, reqs: list[ps.Request]) -> dict[str, tuple]:
+    """Half the requests at once, the rest one per engine step from the third step on (staggered arrivals)."""
+    first, later = reqs[:4], list(reqs[4:])
+    for r in first:
+        engine.add_request(r)
+    steps = 0
+    while engine.has_work or later:
+        if later and steps >= 2:
+            engine.add_request(later.pop(0))
+        engine.step()
+        steps += 1
+    return {r.id: (engine.outputs[r.id].tokens, engine.outputs[r.id].finish_reason,
+                   engine.outputs[r.id].logprobs) for r in reqs}
+
+
+@pytest.mark.parametrize("admission", ["reserve", "on_demand"])
+def test_same_outputs_with_and_without_the_step_ahead(model, admission):
+    cfg, params = model
+    reqs = _requests(cfg.vocab_size)
+    outs, stats = {}, {}
+    for ahead in (True, False):
+        eng = ps.Engine(cfg, params, serve_config(max_batch=4, admission=admission, num_pages=64,
+                                                  decode_lookahead=ahead))
+        outs[ahead] = _serve(eng, reqs)
+        stats[ahead] = eng.decode.lookahead_stats
+        assert eng.allocator.num_free == eng.num_pages - 1
+        eng.check_invariants()
+    assert outs[True] == outs[False]
+    assert all(reason == "length" for _, reason, _ in outs[True].values())
+    # on demand, a row's next position is often past its pages (they grow a step at a time): fewer launched
+    assert stats[True]["used"] > (10 if admission == "reserve" else 0) and stats[False]["used"] == 0
+    assert stats[True]["used"] > stats[True]["dropped"]
+
+
+@pytest.mark.parametrize("kind", ["point_at_free_page", "free_behind", "double_allocate", "poison_data"])
+def test_fault_between_two_steps_ends_only_the_victim(model, kind):
+    """A fault injected while a step ahead is pending: that step is dropped (it ran on the inputs before the
+    fault) and the step the host launches instead catches it; every other request is unaffected."""
+    cfg, params = model
+    reqs = random_requests(cfg.vocab_size, 4, seed=9, min_len=5, max_len=9, max_tokens=(10, 13))
+    ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(max_batch=4)).generate(reqs)}
+    eng = ps.Engine(cfg, params, serve_config(max_batch=4))
+    seen = {"n": 0}
+
+    def fault(engine, rows):
+        seen["n"] += 1
+        if seen["n"] != 4:
+            return
+        seen["ahead"] = engine.decode._ahead is not None
+        seen["tokens"] = len(engine.outputs["r1"].tokens)
+        seen["dropped"] = engine.decode.lookahead_stats["dropped"]
+        inj = FaultInjector(engine.tables)
+        if kind == "point_at_free_page":
+            inj.point_at_free_page("r1", 0)
+        elif kind == "free_behind":
+            inj.free_behind("r1", 0)
+        elif kind == "double_allocate":
+            inj.double_allocate("r1", 0, "r3")
+        else:
+            engine.pool = inj.poison(engine.pool, 1, engine.tables.owned("r1")[0], 1, target="data")
+
+    eng.fault_hooks.append(fault)
+    outs = {o.id: o for o in eng.generate(reqs)}
+    assert seen["ahead"]  # a step was launched ahead when the fault came
+    assert eng.decode.lookahead_stats["dropped"] > seen["dropped"]
+    victim = outs["r1"]
+    assert victim.finish_reason == "aborted" and isinstance(victim.error, KVIntegrityError)
+    assert len(victim.tokens) == seen["tokens"]  # caught in the step the host launched after the fault
+    assert victim.tokens == ref["r1"][: len(victim.tokens)]
+    for rid in ("r0", "r2", "r3"):
+        assert outs[rid].finish_reason == "length" and outs[rid].tokens == ref[rid], rid
+    assert eng.allocator.num_free == eng.num_pages - 1
+    eng.check_invariants()
+
+
+def test_pages_a_step_ahead_may_have_written_are_scrubbed():
+    """A row whose logits went non-finite wrote NaN into its token's page; a step launched ahead of reading that
+    token wrote its next position too, which can be the next page."""
+    tables = PageTables(PageAllocator(16), max_pages_per_seq=4)
+    tables.add("a")
+    owned = tables.allocate("a", 3)
+    row = types.SimpleNamespace(id="a", next_position=7)  # page size 4: position 7 ends page 1, 8 starts page 2
+    nxt = np.array([NONFINITE_TOKEN], np.int32)
+    assert pages_to_scrub(tables, 4, [row], nxt, {}) == [owned[1]]
+    assert pages_to_scrub(tables, 4, [row], nxt, {}, ahead=True) == [owned[1], owned[2]]
+    row.next_position = 5  # both positions in page 1
+    assert pages_to_scrub(tables, 4, [row], nxt, {}, ahead=True) == [owned[1]]
+    assert pages_to_scrub(tables, 4, [row], np.array([3], np.int32), {}, ahead=True) == []
+
+
+def test_decode_lookahead_must_be_a_bool():
+    with pytest.raises(ps.ConfigError, match="decode_lookahead"):
+        ps.ServeConfig(decode_lookahead="yes")
