@@ -45,5 +45,8 @@ for out in engine.generate(requests):
     print(f"{out.id:>4}: {out.finish_reason:<8} {out.tokens}  {type(out.error).__name__ if out.error else ''}")
 summary = engine.summary()
 print({k: summary[k] for k in ("output_tok_per_s", "peak_concurrency", "aborted", "errors", "integrity_checks")})
+ahead = engine.decode.lookahead_stats
+print(f"decode steps launched ahead of the previous step's tokens: used {ahead['used']}, dropped {ahead['dropped']} "
+      "(dropped: the next step's rows or inputs differed, e.g. after the fault)")
 print(f"KV pages: {engine.num_pages} ({engine.kv_dtype}); all free again: "
       f"{engine.allocator.num_free == engine.num_pages - 1}")

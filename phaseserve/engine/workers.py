@@ -475,10 +475,11 @@ class DecodeWorker:
         return decode_shapes(self.tables, max_rows, max_pages)
 
     def warm(self, b: int, w: int) -> None:
-        """Compile the integrity check and the decode step at one padded shape (padding rows only: nothing is
-        written)."""
+        """Compile the integrity check, the decode step and the lookahead's token feed at one padded shape (padding
+        rows only: nothing is written)."""
         batch, check = warm_decode_inputs(b, w)
         self.run_batch(batch, check, [], exact=True)
+        self._feed(jax.device_put(batch.tokens, self.sharding), batch.active)
 
     def warm_tags(self) -> int:
         """Compile the integrity tracker's tag updates at every padded size (the number of sizes)."""

@@ -68,13 +68,20 @@ def test_same_outputs_with_and_without_the_step_ahead(model, admission):
     assert stats[True]["used"] > stats[True]["dropped"]
 
 
+@pytest.fixture(scope="module")
+def fault_run(model):
+    """Four requests and their fault-free tokens."""
+    cfg, params = model
+    reqs = random_requests(cfg.vocab_size, 4, seed=9, min_len=5, max_len=9, max_tokens=(10, 13))
+    return reqs, {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(max_batch=4)).generate(reqs)}
+
+
 @pytest.mark.parametrize("kind", ["point_at_free_page", "free_behind", "double_allocate", "poison_data"])
-def test_fault_between_two_steps_ends_only_the_victim(model, kind):
+def test_fault_between_two_steps_ends_only_the_victim(model, fault_run, kind):
     """A fault injected while a step ahead is pending: that step is dropped (it ran on the inputs before the
     fault) and the step the host launches instead catches it; every other request is unaffected."""
     cfg, params = model
-    reqs = random_requests(cfg.vocab_size, 4, seed=9, min_len=5, max_len=9, max_tokens=(10, 13))
-    ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(max_batch=4)).generate(reqs)}
+    reqs, ref = fault_run
     eng = ps.Engine(cfg, params, serve_config(max_batch=4))
     seen = {"n": 0}
 
