@@ -368,6 +368,10 @@ class ServeConfig:
     # the decode worker launches the next step before reading this one's tokens (fed on the device), used when the
     # next step's inputs turn out the same, so the host's work between steps overlaps the device's
     decode_lookahead: bool = True
+    # a fresh prompt whose prefix hit leaves one token to compute, or whose whole pages are cached (the last one copied
+    # into its own page), runs its last token as a row of the decode step (its KV written and its first output token
+    # sampled there, with the decode weights): no prefill launch, prefix copy to the prefill pool or handoff
+    decode_hit_suffix: bool = True
 
     def __post_init__(self):
         _choice("ServeConfig.mode", self.mode, SERVE_MODES)
@@ -394,6 +398,8 @@ class ServeConfig:
                                                        f"{self.overlap_prefill!r}")
         _check(isinstance(self.decode_lookahead, bool), f"ServeConfig.decode_lookahead must be a bool, got "
                                                         f"{self.decode_lookahead!r}")
+        _check(isinstance(self.decode_hit_suffix, bool), f"ServeConfig.decode_hit_suffix must be a bool, got "
+                                                         f"{self.decode_hit_suffix!r}")
         for name in ("prefill_tp", "decode_tp", "decode_ep"):
             if hasattr(self.mesh, name):
                 _positive_int(f"MeshConfig.{name}", getattr(self.mesh, name))

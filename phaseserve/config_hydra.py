@@ -9,7 +9,7 @@ or a wrong type is an error at composition time::
     cache:    CacheSpec      -> CacheConfig   (+ ``kv_budget_requests``: size the byte budget by the workload)
     mesh:     MeshSpec       -> MeshConfig    (+ ``host_devices``: simulated CPU devices)
     engine:   EngineSpec     -> ServeConfig's mode, max_batch, max_prefill_tokens, max_context, seed, overlap_prefill,
-                              decoding_prefill_tokens, prefill_in_flight, decode_lookahead
+                              decoding_prefill_tokens, prefill_in_flight, decode_lookahead, decode_hit_suffix
     workload: WorkloadSpec   lengths, arrivals, concurrency (played by :mod:`lab.bench.workload`)
     experiment: free-form    validated by each experiment against its own dataclass (``bench.schema``)
 
@@ -118,6 +118,7 @@ class EngineSpec:
     decoding_prefill_tokens: int | None = 256  # prompt tokens per prefill launch while requests decode (None: all)
     prefill_in_flight: int = 1  # prefill launches queued on the prefill mesh at once
     decode_lookahead: bool = True  # launch the next decode step before reading this one's tokens
+    decode_hit_suffix: bool = True  # a prefix hit's last token runs as a decode row (no prefill launch)
     attn_impl: str = "auto"  # "auto" | "pallas" | "reference" (Engine(attn_impl=...))
     matmul_impl: str = "auto"  # quantized-weight matmuls, same choices (Engine(matmul_impl=...))
 
@@ -299,7 +300,8 @@ def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
                        overlap_prefill=bool(e.get("overlap_prefill", True)),
                        decoding_prefill_tokens=e.get("decoding_prefill_tokens", 256),
                        prefill_in_flight=int(e.get("prefill_in_flight", 1)),
-                       decode_lookahead=bool(e.get("decode_lookahead", True)))
+                       decode_lookahead=bool(e.get("decode_lookahead", True)),
+                       decode_hit_suffix=bool(e.get("decode_hit_suffix", True)))
 
 
 def serve_config_from_hydra(cfg: DictConfig) -> tuple[ModelConfig, Any, ServeConfig]:

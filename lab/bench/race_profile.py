@@ -27,11 +27,13 @@ from __future__ import annotations
 import functools
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import hydra
+import jax
 import numpy as np
 from hydra.core.global_hydra import GlobalHydra
 
@@ -40,6 +42,32 @@ from lab.bench.http_load import thread_cpu_s
 
 PHASES = ("drain", "schedule", "plan_chunks", "prefill.launch", "prefill.collect", "handoff", "decode.step", "deliver",
           "on_step")
+
+
+class HttpTimes:
+    """A pure ASGI middleware around the served app: per HTTP request, when its ASGI call came in and when the server
+    handed its first non-empty response body (the first streamed chunk) to uvicorn: the server's own TTFT, which
+    with the engine's (arrival -> first token) and the client's splits a first token's time between the client, the
+    HTTP side before the engine and after it, and the engine."""
+
+    def __init__(self, app: Any, spans: list):
+        self.app, self.spans = app, spans
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or not scope.get("path", "").endswith("/completions"):
+            return await self.app(scope, receive, send)
+        t0, first = time.perf_counter(), []
+
+        async def timed_send(message):
+            if not first and message.get("type") == "http.response.body" and message.get("body"):
+                first.append(time.perf_counter())
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            if first:
+                self.spans.append((t0, first[0]))
 
 
 class Timers:
@@ -52,6 +80,7 @@ class Timers:
         self.rows = 0  # decode rows over every decode step
         self.launches: dict[int, tuple[float, int]] = {}  # prefill launch -> (start, chunks), until collected
         self.in_flight: list[tuple[float, int]] = []  # (launch -> results handled seconds, chunks) per launch
+        self.computed: list[float] = []  # launch -> its sampled tokens ready on the device, seconds per launch
         self.events: list[tuple[str, float, float, bool]] = []  # (phase, start, seconds, in the p50) per call
 
     def wrap(self, obj: Any, attr: str, name: str, counts: Any = None) -> None:
@@ -71,7 +100,7 @@ class Timers:
         setattr(obj, attr, timed)
 
     def reset(self) -> None:
-        self.events, self.rows, self.in_flight = [], 0, []
+        self.events, self.rows, self.in_flight, self.computed = [], 0, [], []
 
     def clip(self, start: float, end: float) -> None:
         """Totals, calls and durations of the calls that overlap ``[start, end]``, each total cut to it (the idle
@@ -112,8 +141,13 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
     launch, collect = engine._launch, engine._finish_prefill
 
     def launched(group, *a, **kw):
+        t0 = time.perf_counter()
         f = launch(group, *a, **kw)
-        timers.launches[id(f)] = (time.perf_counter(), len(group))
+        timers.launches[id(f)] = (t0, len(group))
+        first = f.launched.first
+        if isinstance(first, jax.Array):  # when the device finished it, seen from a waiting thread (GIL released)
+            threading.Thread(target=lambda: (first.block_until_ready(),
+                                             timers.computed.append(time.perf_counter() - t0)), daemon=True).start()
         return f
 
     def collected(f, *a, **kw):
@@ -149,8 +183,9 @@ def loop_cpu_s(threads: dict[str, int]) -> dict[str, float]:
     return {"engine_loop": loops, **{k: v for k, v in cpu.items() if not k.startswith("engine_loop_")}}
 
 
-def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, float], bench: dict) -> dict:
-    """One concurrency's numbers (see the module docstring)."""
+def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, float], bench: dict,
+                  spans: list[tuple[float, float]] = ()) -> dict:
+    """One concurrency's numbers (see the module docstring); ``spans``: :class:`HttpTimes`' per request."""
     steps = timers.calls.get("step", 0)
     step_s = timers.seconds.get("step", 0.0)
     inner = {p: timers.seconds.get(p, 0.0) for p in ("schedule", "plan_chunks", "prefill.launch", "prefill.collect",
@@ -172,8 +207,10 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
         "decode_step_ms_p50": ms(timers.durations.get("decode.step", [])),
         "decode_rows_mean": timers.rows / max(timers.calls.get("decode.step", 0), 1),
         "prefill_in_flight_ms_p50": ms([s for s, _ in timers.in_flight]),  # launch -> first tokens emitted
+        "prefill_computed_ms_p50": ms(timers.computed),  # launch -> its tokens ready on the device
         "prefill_chunks_per_launch": sum(n for _, n in timers.in_flight) / max(len(timers.in_flight), 1),
         "inbox_wait_ms_p50": ms(inbox), "engine_ttft_ms_p50": ms(ttft),
+        "server_ttft_ms_p50": ms([b - a for a, b in spans]),  # ASGI call in -> first streamed chunk out
         "engine_ttft_ms_p99": 1e3 * float(np.percentile(ttft, 99)) if ttft else None,
         "client_ttft_ms_p50": bench["ttft_p50_ms"], "client_ttft_ms_mean": bench.get("ttft_mean_ms"),
         "client_ttft_ms_p99": bench.get("ttft_p99_ms"), "client_tpot_ms_p50": bench["tpot_p50_ms"],
@@ -216,6 +253,8 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     backend = build_backend(cfg)
     warm_up(backend if isinstance(backend, list) else [backend], str(cfg.experiment.get("warmup", "auto")))  # as serve
     app = create_app(backend, tok, name, stream_interval=int(cfg.experiment.stream_interval))
+    spans: list[tuple[float, float]] = []  # (ASGI call in, first body out) per completions request
+    app.add_middleware(HttpTimes, spans=spans)
     server, thread, url = start_in_thread(app, port=spec.port_phaseserve, keep_alive_s=600.0)
     timers, finished, levels = Timers(), [], {}
     try:
@@ -232,6 +271,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                     vr.warm(spec, url, name, ckpt, c, out_dir / "raw" / f"profile_c{c}_warmup.json")
                 timers.reset()
                 finished.clear()
+                spans.clear()
                 cpu0 = loop_cpu_s(threads)
                 comp0 = compiles(engine)
                 bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed + pass_,
@@ -241,7 +281,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                 end = max(m.finished for m in finished)
                 timers.clip(start, end)
                 cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
-                lv = level_profile(timers, finished, end - start, cpu, bench)
+                lv = level_profile(timers, finished, end - start, cpu, bench, spans)
                 lv["compiles"] = {k: v - comp0.get(k, 0) for k, v in compiles(engine).items()}
                 levels.setdefault(pass_, {})[c] = lv
                 log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
@@ -272,11 +312,13 @@ def markdown(levels: dict) -> str:
             ("step p50 ms", "step_ms_p50", "{:.2f}"), ("prefill.launch p50 ms", "prefill_launch_ms_p50", "{:.2f}"),
             ("prefill.collect p50 ms (calls that collected)", "prefill_collect_ms_p50", "{:.2f}"),
             ("prefill launch -> first tokens emitted p50 ms", "prefill_in_flight_ms_p50", "{:.1f}"),
+            ("prefill launch -> tokens ready on the device p50 ms", "prefill_computed_ms_p50", "{:.1f}"),
             ("prompt chunks per prefill launch (mean)", "prefill_chunks_per_launch", "{:.2f}"),
             ("decode.step p50 ms", "decode_step_ms_p50", "{:.2f}"), ("inbox wait p50 ms", "inbox_wait_ms_p50",
                                                                      "{:.2f}"),
             ("engine TTFT p50 ms (arrival -> first token)", "engine_ttft_ms_p50", "{:.1f}"),
             ("engine TTFT p99 ms", "engine_ttft_ms_p99", "{:.1f}"),
+            ("server TTFT p50 ms (HTTP request in -> first chunk out)", "server_ttft_ms_p50", "{:.1f}"),
             ("client TTFT p50 ms (vllm bench)", "client_ttft_ms_p50", "{:.1f}"),
             ("client TTFT mean ms", "client_ttft_ms_mean", "{:.1f}"),
             ("client TTFT p99 ms", "client_ttft_ms_p99", "{:.1f}"),

@@ -44,7 +44,7 @@ from phaseserve.sharding import make_mesh
 
 PHASES = ("prefill", "decode")
 CALLS = frozenset({"info", "kernels", "snapshot", "pool_ok", "reset_pool", "run_batch", "warm_tags", "scrub",
-                   "swap_out", "swap_in", "stage", "arm", "release", "pull_land"})
+                   "swap_out", "swap_in", "copy_pages", "stage", "arm", "release", "pull_land"})
 
 
 class PhaseActor:
@@ -138,6 +138,9 @@ class PhaseActor:
 
     def swap_in(self, pages: list[int], host: tuple[int, Any]) -> None:
         self.worker.swap_in(pages, host)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.worker.copy_pages(src, dst)
 
     # ---- KV transfer ----------------------------------------------------------------------------------------
     def stage(self, pages: list[int], dtype: str | None, request_id: str) -> TransferDescriptor:

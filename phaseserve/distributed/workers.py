@@ -241,6 +241,8 @@ class RemoteDecode(RemoteWorker):
             return np.arange(self.num_pages, dtype=np.int32), self.allocator.tags.copy()
         return pages, tags
 
+    ahead_ids = None  # nothing is launched ahead of a remote call
+
     def step(self, rows: list[Sequence], lookahead: bool = False,
              ) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:
         """``DecodeWorker.step`` over the actor (one call per step; ``lookahead`` is not done: nothing is launched
@@ -271,5 +273,8 @@ class RemoteDecode(RemoteWorker):
 
     def swap_in(self, pages: list[int], host: tuple[int, Any]) -> None:
         self.call("swap_in", list(map(int, pages)), host)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.call("copy_pages", list(map(int, src)), list(map(int, dst)))
 
     swap_nbytes = staticmethod(DecodeWorker.swap_nbytes)

@@ -21,6 +21,14 @@ the same rows before it reads this step's tokens (fed on the device), so the hos
 the device's; the next step uses it only if its inputs turn out exactly the same (``workers.Ahead.matches``), else
 drops it. Not launched while a prefill is in flight (its rows are about to change).
 
+A prefix hit's last token as a decode row (``ServeConfig.decode_hit_suffix``, the default): a fresh prompt whose
+cached pages leave one token to compute, or a prompt of whole pages cached to its last page (a hit stops a page short,
+so that one prompt token is computed; the cached last page is copied into the request's own page on the decode mesh),
+joins the decode rows at once; the decode step writes that token's KV and samples the first output token, with no
+prefill launch, no copy of the cached pages into the prefill pool and no handoff (with quantized weights, that first
+token comes from the decode weights). Rows joining while a step launched ahead is pending wait for the next step, so
+the launch ahead is used, not dropped.
+
 Overlap (``ServeConfig.overlap_prefill``, the default): prefill and decode run on disjoint meshes, so a step does
 not wait for the prefill it launched; the decode rows keep stepping and a later step collects each launch once it
 has finished (up to ``ServeConfig.prefill_in_flight`` launches queued on the prefill mesh, 1 by default: one
@@ -157,6 +165,7 @@ class Engine:
         self.swap_stats = dict(swap_outs=0, swap_ins=0, bytes=0, seconds=0.0)  # preemption="swap" traffic
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
         self._inflight: list[InFlight] = []  # prefill groups launched and not yet collected (overlap_prefill)
+        self._joining: set[str] = set()  # prefix hits' one-token suffixes made decode rows, not yet decoded
 
     @classmethod
     def from_hydra(cls, hydra_cfg: Any) -> Engine:
@@ -245,6 +254,7 @@ class Engine:
         seq.output.finish_reason, seq.output.error = reason, error
         seq.output.metrics.finished = time.perf_counter()
         seq.swap = None
+        self._joining.discard(seq.id)
         self.scheduler.finish(seq)
         self._seqs.pop(seq.id, None)
         if reason == "aborted" and error is not None and not isinstance(error, CancelledError):
@@ -299,6 +309,8 @@ class Engine:
             self._swap(swapped, out=True)
         if res.admitted:
             self._swap([s for s in res.admitted if s.swap is not None and s in self.scheduler.running], out=False)
+        if self.serve.decode_hit_suffix:
+            self._join_hit_suffixes()
         collected = self._collect_prefill(events, wait=False)
         chunks: list[Chunk] = []
         if len(self._inflight) < self.serve.prefill_in_flight:  # a request's next chunk waits for its chunk in flight
@@ -372,6 +384,39 @@ class Engine:
             if self._device_failure(seqs, e) and len(seqs) > 1:
                 for s in seqs:
                     self._load_prefixes([s])
+
+    def _join_hit_suffixes(self) -> None:
+        """Fresh prompts whose prefix hit leaves one token to compute become decode rows (``ServeConfig.
+        decode_hit_suffix``): the decode step feeds that token at its position, writes its KV into the request's
+        own page and samples the first output token. That is a hit leaving one token, or a prompt of whole pages
+        cached to its last page (the hit stops a page short, so one prompt token is computed): that page is copied
+        into the request's own page, bit for bit, and its last token recomputed there, so no shared page is
+        written. Requests asking for prompt logprobs or for no output, and a chunk already in flight, keep the
+        prefill path."""
+        busy = {c.id for f in self._inflight for c in f.group}
+        page = self.serve.cache.page_size
+        join, copies = [], []  # copies: (request, cached page, its own page)
+        for s in self.scheduler.running:
+            rest = s.num_prompt - s.computed
+            if not (s.shared_pages and s.computed == s.shared_pages * page and rest in (1, page)
+                    and s.num_prompt == len(s.tokens) and s.output.prompt_logprobs is None
+                    and s.request.max_tokens > 0 and s.id not in busy):
+                continue
+            if rest == 1:
+                join.append(s)
+                continue
+            cached = self.scheduler.cached_page(s, s.shared_pages)  # else this request prefills its last page
+            if cached is not None:
+                copies.append((s, cached, self.tables.owned(s.id)[s.shared_pages]))
+        if copies:
+            try:
+                self.decode.copy_pages([c for _, c, _ in copies], [d for _, _, d in copies])
+                join += [s for s, _, _ in copies]
+            except Exception as e:  # they prefill their last page instead (unless the pool itself was lost)
+                self._device_failure([], e)
+        for s in join:
+            self.scheduler.prefilled(s)
+            self._joining.add(s.id)
 
     def _launch_prefill(self, chunks: list[Chunk], events: list) -> None:
         """Dispatch this step's chunk groups to the prefill mesh (:meth:`_collect_prefill` takes their results)."""
@@ -508,7 +553,16 @@ class Engine:
     def _run_decode(self, rows: list[Sequence], events: list) -> None:
         t0 = time.perf_counter()
         # launch the next step before reading this one's tokens, unless a prefill in flight is about to add rows
-        device_s = self._decode_rows(rows, events, lookahead=self.serve.decode_lookahead and not self._inflight)
+        lookahead = self.serve.decode_lookahead and not self._inflight
+        if self._joining:
+            old = [s for s in rows if s.id not in self._joining]
+            if len(old) < len(rows) and old and self.decode.ahead_ids == tuple(s.id for s in old):
+                # the step launched ahead for the other rows runs (not dropped: its compute is done or under way);
+                # the new rows join the next step, launched with nothing ahead of it
+                rows, lookahead = old, False
+            else:
+                self._joining.difference_update(s.id for s in rows)
+        device_s = self._decode_rows(rows, events, lookahead=lookahead)
         self.metrics.decode_steps += 1
         self.metrics.decode_time += device_s
         self.metrics.host_time += time.perf_counter() - t0 - device_s

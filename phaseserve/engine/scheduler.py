@@ -159,6 +159,13 @@ class Scheduler:
             hashes[len(hits)] in self._hashes(s)[s.shared_pages:] for s in self.running if s.prefilling)
         return hits, pending
 
+    def cached_page(self, seq: Sequence, i: int) -> int | None:
+        """The page holding the KV of ``seq``'s ``i``-th full prompt page in the prefix cache (usable now), else None:
+        a lookup past the hit's cap (a whole prompt of full pages is a hit but for its last page)."""
+        hashes = self._hashes(seq) if self.prefix_caching else []
+        entry = self.prefix.get(hashes[i]) if i < len(hashes) else None
+        return entry[0] if entry is not None and self._usable(*entry) else None
+
     def _usable(self, page: int, tag: int) -> bool:
         """An index entry may serve a hit: the page holds its KV, held by a live request unless ``retain_prefixes``."""
         alloc = self.tables.allocator

@@ -382,6 +382,14 @@ class DecodeWorker:
     def swap_nbytes(host: tuple[int, Any]) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(host[1]))
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages ``src`` onto ``dst`` within the pool, bit for bit (every layer, values and scales), on the
+        device (padding rows copy the null page onto itself)."""
+        n = bucket(len(src))
+        s, d = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        s[: len(src)], d[: len(dst)] = src, dst
+        self.pool = self._put(self.pool, d, self._gather(self.pool, s))
+
     def land(self, pages: list[int], payload: list) -> None:
         """Write handed-over whole pages (already in the storage dtype, on the decode devices) into ``pages``."""
         self.pool = import_paged(self._import, self.pool, pages, payload)
@@ -389,6 +397,11 @@ class DecodeWorker:
     def export(self, pages: list[int], dtype: str) -> list:
         """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
         return export_paged(self._export, self.pool, pages, dtype)
+
+    @property
+    def ahead_ids(self) -> tuple[str, ...] | None:
+        """The rows of the step launched ahead and not yet used or dropped (None: nothing ahead)."""
+        return None if self._ahead is None else self._ahead.ids
 
     def step(self, rows: list[Sequence], lookahead: bool = False,
              ) -> tuple[np.ndarray, dict[str, KVIntegrityError], float, tuple | None]:

@@ -2,7 +2,8 @@
 before reading this one's tokens, the sampled tokens fed on the device, and uses it only when the host's next step
 has exactly its inputs. Outputs equal those of the engine without it, under staggered arrivals, sampling, logprobs
 and on-demand page growth; a fault injected between two steps still ends only the victim; the pages a step ahead
-may have written NaN into are scrubbed with the rest."""
+may have written NaN into are scrubbed with the rest. A prefix hit's one-token suffix, or a whole cached prompt's last
+token, runs as a decode row (``ServeConfig.decode_hit_suffix``) with the tokens its prefill gives."""
 
 from __future__ import annotations
 
@@ -66,6 +67,47 @@ def test_same_outputs_with_and_without_the_step_ahead(model, admission):
     # on demand, a row's next position is often past its pages (they grow a step at a time): fewer launched
     assert stats[True]["used"] > (10 if admission == "reserve" else 0) and stats[False]["used"] == 0
     assert stats[True]["used"] > stats[True]["dropped"]
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_prefix_hits_one_token_suffix_is_a_decode_row(model, lookahead):
+    """``decode_hit_suffix``: a fresh prompt whose hit leaves one token, or a prompt of whole pages cached to its last
+    page (that page copied into the request's own), runs its last token in the decode step, not in a prefill launch:
+    the same tokens (greedy and seeded sampling) and logprobs as its prefill; a longer suffix, a whole-page prompt
+    whose last page is not cached, and a request asking for prompt logprobs still prefill. Rows joining while a step
+    ahead is pending wait for the next step instead of dropping it (no launch ahead is dropped in a run that ends
+    every row by length)."""
+    cfg, params = model
+    rng = np.random.default_rng(21)
+    prefix = rng.integers(0, cfg.vocab_size, 8).tolist()  # 2 full pages of 4
+    req = lambda rid, tail, **kw: ps.Request(id=rid, prompt=prefix + tail, ignore_eos=True,  # noqa: E731
+                                             **{"max_tokens": 10, **kw})
+    reqs = [req("one", [3]), req("two", [4, 5]), req("sampled", [6], temperature=0.8, seed=4),
+            req("whole", [1, 2, 3, 4], logprobs=2), req("prompt_lp", [8], prompt_logprobs=1), req("again", [3]),
+            req("whole_sampled", [1, 2, 3, 4], temperature=0.7, seed=2), req("uncached_page", [5, 6, 7, 8]),
+            req("late", [9], max_tokens=6), req("later", [2], logprobs=1)]
+    saved = {"one": 1, "sampled": 1, "whole": 4, "again": 1, "whole_sampled": 4, "late": 1, "later": 1}
+    outs, prefilled, stats = {}, {}, {}
+    for suffix in (True, False):
+        eng = ps.Engine(cfg, params, serve_config(max_batch=8, num_pages=96, retain_prefixes=True,
+                                                  decode_lookahead=lookahead, decode_hit_suffix=suffix))
+        eng.generate([req("seed", [1, 2, 3, 4], max_tokens=2)])  # three whole pages, retained
+        before = eng.metrics.prefill_tokens
+        outs[suffix] = _serve(eng, reqs)
+        prefilled[suffix] = eng.metrics.prefill_tokens - before
+        stats[suffix] = dict(eng.decode.lookahead_stats)
+        assert {r.id: eng.outputs[r.id].metrics.prefix_hit_tokens for r in reqs} == {
+            r.id: 0 if r.prompt_logprobs is not None else 8 for r in reqs}  # prompt logprobs skip prefix hits
+        assert eng.allocator.num_free == eng.num_pages - 1
+        eng.check_invariants()
+    for rid, (tokens, reason, lps) in outs[False].items():
+        assert outs[True][rid][:2] == (tokens, reason), rid
+        if lps is not None:
+            np.testing.assert_allclose([lp.logprob for lp in outs[True][rid][2]], [lp.logprob for lp in lps],
+                                       rtol=1e-4, atol=1e-5)
+    assert prefilled[False] - prefilled[True] == sum(saved.values())
+    if lookahead:
+        assert stats[True]["used"] > 0 and stats[True]["dropped"] == 0
 
 
 @pytest.fixture(scope="module")
