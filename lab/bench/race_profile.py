@@ -5,8 +5,9 @@ The server is built as ``python -m phaseserve.server`` builds it (``configs/serv
 ``phaseserve_overrides`` and the generated checkpoint) and served by uvicorn in a thread of this process; ``vllm
 bench serve`` (its own process) drives it exactly as in the comparison. :class:`Timers` wraps, on the live instances
 only (no library code changes), the engine loop's phases: draining the HTTP inbox (``drain``, which includes the
-loop's blocking wait while idle), ``schedule`` and ``plan_chunks`` (the scheduler), the prefill launch
-(``prefill.launch``: padding to a bucket, dispatching the jitted forward to the prefill device), its collection
+loop's blocking wait while idle), ``schedule`` and ``plan_chunks`` (the scheduler), a prefix hit's cached pages copied
+into the prefill pool (``prefix.load``), the prefill launch (``prefill.launch``: padding to a bucket, dispatching the
+jitted forward to the prefill device, that call alone also as ``prefill.dispatch``), its collection
 (``prefill.collect``: the wait for its result where the step had to wait, the first tokens back to the host, the
 bookkeeping; its calls that collected nothing count toward the time but not the p50) and the handoff of its KV to the
 decode pool inside it (``handoff``, reported apart from ``prefill.collect``), the decode step (``decode.step``: building
@@ -14,9 +15,11 @@ the batch, the jitted step, the tokens back to the host), the rest of ``Engine.s
 requests), handing tokens to the HTTP handlers (``deliver``) and the ``/metrics`` gauges (``on_step``). Per level it
 reports each phase's milliseconds per engine step and its share of the loop thread's wall time, the CPU seconds of the
 loop thread, of uvicorn's thread and of every other thread (XLA's pools), and per request the wait in the inbox
-(received -> arrival), the engine's TTFT (arrival -> first token) beside the client's (send -> first streamed chunk),
-and per prefill launch the time from its launch until its results are handled (the chunk step's compute, the wait
-for the engine step that collects it, the handoff and the first tokens emitted) and the prompt chunks it carried.
+(received -> arrival), the engine's TTFT (arrival -> first token) beside the server's (:class:`HttpTimes`: HTTP
+request in -> first streamed chunk out) and the client's (send -> first streamed chunk), and per prefill launch the
+time from its launch until its tokens are ready on the device (seen by a thread waiting on them) and until its
+results are handled (the chunk step's compute, the wait for the engine step that collects it, the handoff and the
+first tokens emitted) and the prompt chunks it carried.
 With engine replicas (``mesh.replicas``) every replica's loop is instrumented: phases are summed over the replicas
 (per step of any replica; shares of the wall time can then pass 1), ``decode_rows_mean`` is per replica's step, and
 ``engine_loop`` CPU sums their threads.
@@ -40,8 +43,8 @@ from hydra.core.global_hydra import GlobalHydra
 from lab.bench import report as rp
 from lab.bench.http_load import thread_cpu_s
 
-PHASES = ("drain", "schedule", "plan_chunks", "prefill.launch", "prefill.collect", "handoff", "decode.step", "deliver",
-          "on_step")
+PHASES = ("drain", "schedule", "plan_chunks", "prefix.load", "prefill.launch", "prefill.collect", "handoff",
+          "decode.step", "deliver", "on_step")
 
 
 class HttpTimes:
@@ -81,6 +84,7 @@ class Timers:
         self.launches: dict[int, tuple[float, int]] = {}  # prefill launch -> (start, chunks), until collected
         self.in_flight: list[tuple[float, int]] = []  # (launch -> results handled seconds, chunks) per launch
         self.computed: list[float] = []  # launch -> its sampled tokens ready on the device, seconds per launch
+        self.joined: set[int] = set()  # ids of the metrics of requests whose last prompt token ran as a decode row
         self.events: list[tuple[str, float, float, bool]] = []  # (phase, start, seconds, in the p50) per call
 
     def wrap(self, obj: Any, attr: str, name: str, counts: Any = None) -> None:
@@ -101,6 +105,7 @@ class Timers:
 
     def reset(self) -> None:
         self.events, self.rows, self.in_flight, self.computed = [], 0, [], []
+        self.joined = set()
 
     def clip(self, start: float, end: float) -> None:
         """Totals, calls and durations of the calls that overlap ``[start, end]``, each total cut to it (the idle
@@ -130,6 +135,10 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
     timers.wrap(engine, "_launch_prefill", "prefill.launch")
     timers.wrap(engine, "_collect_prefill", "prefill.collect", counts=bool)
     timers.wrap(engine, "_hand_off", "handoff")
+    timers.wrap(engine, "_load_prefixes", "prefix.load")
+    load = engine._load_prefixes
+    engine._load_prefixes = lambda seqs: load(seqs) if seqs else None  # timed when a hit's pages are copied
+    timers.wrap(engine.prefill, "dispatch", "prefill.dispatch")
     step = engine.decode.step
 
     def counted(rows, *a, **kw):
@@ -166,6 +175,14 @@ def instrument(loop: Any, timers: Timers, finished: list) -> None:
         finished.append(seq.output.metrics)
 
     engine._finish = on_finish
+    join = engine._join_hit_suffixes
+
+    def joined():  # which requests' last prompt token ran as a decode row (not rows handed off, also joining)
+        before = set(engine._joining)
+        join()
+        timers.joined.update(id(engine._seqs[i].output.metrics) for i in engine._joining - before if i in engine._seqs)
+
+    engine._join_hit_suffixes = joined
 
 
 def compiles(engine: Any) -> dict[str, int]:
@@ -173,6 +190,13 @@ def compiles(engine: Any) -> dict[str, int]:
     ``background``, ``inline``), and the calls run on a larger compiled shape (``cover``)."""
     return {f"{phase} {k}": int(getattr(engine, phase).steps.stats.get(k, 0)) for phase in ("prefill", "decode")
             for k in ("background", "inline", "cover", "cover_at_limit")}
+
+
+def lookahead(loops: list) -> dict[str, int]:
+    """Decode steps launched ahead so far over the replicas: ``used`` (the next step had exactly its inputs) and
+    ``dropped``."""
+    stats = [loop.backend.engine.decode.lookahead_stats for loop in loops]
+    return {k: sum(int(s.get(k, 0)) for s in stats) for k in ("used", "dropped")}
 
 
 def loop_cpu_s(threads: dict[str, int]) -> dict[str, float]:
@@ -188,7 +212,8 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
     """One concurrency's numbers (see the module docstring); ``spans``: :class:`HttpTimes`' per request."""
     steps = timers.calls.get("step", 0)
     step_s = timers.seconds.get("step", 0.0)
-    inner = {p: timers.seconds.get(p, 0.0) for p in ("schedule", "plan_chunks", "prefill.launch", "prefill.collect",
+    inner = {p: timers.seconds.get(p, 0.0) for p in ("schedule", "plan_chunks", "prefix.load", "prefill.launch",
+                                                     "prefill.collect",
                                                      "decode.step")}  # handoff runs inside prefill.collect
     phases = {**{p: timers.seconds.get(p, 0.0) for p in PHASES}, "step (rest)": step_s - sum(inner.values())}
     phases["prefill.collect"] -= phases["handoff"]
@@ -196,6 +221,9 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
     ms = lambda xs: 1e3 * statistics.median(xs) if xs else None  # noqa: E731
     ttft = [m.ttft for m in finished if m.ttft is not None]
     inbox = [m.arrival - m.received for m in finished if m.received is not None]
+    queue = [m.admitted - m.arrival for m in finished if m.admitted is not None]
+    by_path = {k: [m.ttft for m in finished if m.ttft is not None and (id(m) in timers.joined) == (k == "decode_row")]
+               for k in ("decode_row", "prefill")}
     return {
         "wall_s": wall_s, "steps": steps, "requests": len(finished),
         "phases_ms_per_step": {p: 1e3 * s / max(steps, 1) for p, s in phases.items()},
@@ -203,32 +231,39 @@ def level_profile(timers: Timers, finished: list, wall_s: float, cpu: dict[str, 
         "calls": dict(timers.calls),
         "step_ms_p50": ms(timers.durations.get("step", [])),
         "prefill_launch_ms_p50": ms(timers.durations.get("prefill.launch", [])),
+        "prefill_dispatch_ms_p50": ms(timers.durations.get("prefill.dispatch", [])),  # inside prefill.launch
+        "prefix_load_ms_p50": ms(timers.durations.get("prefix.load", [])),
         "prefill_collect_ms_p50": ms(timers.durations.get("prefill.collect", [])),
         "decode_step_ms_p50": ms(timers.durations.get("decode.step", [])),
         "decode_rows_mean": timers.rows / max(timers.calls.get("decode.step", 0), 1),
         "prefill_in_flight_ms_p50": ms([s for s, _ in timers.in_flight]),  # launch -> first tokens emitted
         "prefill_computed_ms_p50": ms(timers.computed),  # launch -> its tokens ready on the device
         "prefill_chunks_per_launch": sum(n for _, n in timers.in_flight) / max(len(timers.in_flight), 1),
-        "inbox_wait_ms_p50": ms(inbox), "engine_ttft_ms_p50": ms(ttft),
+        "inbox_wait_ms_p50": ms(inbox), "queue_wait_ms_p50": ms(queue), "engine_ttft_ms_p50": ms(ttft),
+        "requests_last_token_decode_row": len(by_path["decode_row"]),
+        "engine_ttft_decode_row_ms_p50": ms(by_path["decode_row"]),
+        "engine_ttft_prefilled_ms_p50": ms(by_path["prefill"]),
         "server_ttft_ms_p50": ms([b - a for a, b in spans]),  # ASGI call in -> first streamed chunk out
         "engine_ttft_ms_p99": 1e3 * float(np.percentile(ttft, 99)) if ttft else None,
         "client_ttft_ms_p50": bench["ttft_p50_ms"], "client_ttft_ms_mean": bench.get("ttft_mean_ms"),
         "client_ttft_ms_p99": bench.get("ttft_p99_ms"), "client_tpot_ms_p50": bench["tpot_p50_ms"],
         "output_tok_per_s": bench["output_tok_per_s"],
         "cpu_s": cpu, "cpu_share_of_wall": {k: v / wall_s for k, v in cpu.items()},
-        "timeline": request_timeline(finished),
+        "timeline": request_timeline(finished, timers.joined),
     }
 
 
-def request_timeline(finished: list) -> list[dict]:
-    """Each request's times (ms from the level's first request in): into the HTTP inbox, into the engine, first token,
-    finished; and its prompt tokens served from the prefix cache."""
+def request_timeline(finished: list, joined: set[int] = frozenset()) -> list[dict]:
+    """Each request's times (ms from the level's first request in): into the HTTP inbox, into the engine, admitted,
+    first token, finished; its prompt tokens served from the prefix cache, and whether its last prompt token ran as a
+    decode row (``joined``: ids of those requests' metrics)."""
     if not finished:
         return []
     t0 = min(m.received if m.received is not None else m.arrival for m in finished)
     ms = lambda t: None if t is None else round(1e3 * (t - t0), 2)  # noqa: E731
-    return [{"received": ms(m.received), "arrival": ms(m.arrival), "first_token": ms(m.first_token),
-             "finished": ms(m.finished), "prefix_hit_tokens": m.prefix_hit_tokens}
+    return [{"received": ms(m.received), "arrival": ms(m.arrival), "admitted": ms(m.admitted),
+             "first_token": ms(m.first_token), "finished": ms(m.finished), "prefix_hit_tokens": m.prefix_hit_tokens,
+             "decode_row": id(m) in joined}
             for m in sorted(finished, key=lambda m: m.arrival)]
 
 
@@ -273,7 +308,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                 finished.clear()
                 spans.clear()
                 cpu0 = loop_cpu_s(threads)
-                comp0 = compiles(engine)
+                comp0, ahead0 = compiles(engine), lookahead(loops)
                 bench = vr.bench_once(spec, url, name, ckpt, c, n, spec.seed + pass_,
                                       out_dir / "raw" / f"profile_p{pass_}_c{c}.json")
                 cpu1 = loop_cpu_s(threads)
@@ -283,6 +318,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
                 cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
                 lv = level_profile(timers, finished, end - start, cpu, bench, spans)
                 lv["compiles"] = {k: v - comp0.get(k, 0) for k, v in compiles(engine).items()}
+                lv["lookahead"] = {k: v - ahead0[k] for k, v in lookahead(loops).items()}
                 levels.setdefault(pass_, {})[c] = lv
                 log(f"[profile] pass {pass_} c={c}: {bench['output_tok_per_s']:.0f} tok/s, {lv['steps']} steps, "
                     f"step p50 {lv['step_ms_p50']:.2f} ms, decode.step p50 {lv['decode_step_ms_p50']:.2f} ms")
@@ -310,13 +346,19 @@ def markdown(levels: dict) -> str:
     keys = [("output tok/s (client)", "output_tok_per_s", "{:.0f}"), ("engine steps", "steps", "{}"),
             ("requests", "requests", "{}"), ("decode rows per step (mean)", "decode_rows_mean", "{:.1f}"),
             ("step p50 ms", "step_ms_p50", "{:.2f}"), ("prefill.launch p50 ms", "prefill_launch_ms_p50", "{:.2f}"),
+            ("prefill.dispatch p50 ms (the jitted call, inside prefill.launch)", "prefill_dispatch_ms_p50", "{:.2f}"),
+            ("prefix.load p50 ms (a hit's pages to the prefill pool)", "prefix_load_ms_p50", "{:.2f}"),
             ("prefill.collect p50 ms (calls that collected)", "prefill_collect_ms_p50", "{:.2f}"),
             ("prefill launch -> first tokens emitted p50 ms", "prefill_in_flight_ms_p50", "{:.1f}"),
             ("prefill launch -> tokens ready on the device p50 ms", "prefill_computed_ms_p50", "{:.1f}"),
             ("prompt chunks per prefill launch (mean)", "prefill_chunks_per_launch", "{:.2f}"),
             ("decode.step p50 ms", "decode_step_ms_p50", "{:.2f}"), ("inbox wait p50 ms", "inbox_wait_ms_p50",
                                                                      "{:.2f}"),
+            ("queue wait p50 ms (arrival -> admitted)", "queue_wait_ms_p50", "{:.2f}"),
             ("engine TTFT p50 ms (arrival -> first token)", "engine_ttft_ms_p50", "{:.1f}"),
+            ("requests whose last prompt token ran as a decode row", "requests_last_token_decode_row", "{}"),
+            ("engine TTFT p50 ms, those requests", "engine_ttft_decode_row_ms_p50", "{:.1f}"),
+            ("engine TTFT p50 ms, the prefilled ones", "engine_ttft_prefilled_ms_p50", "{:.1f}"),
             ("engine TTFT p99 ms", "engine_ttft_ms_p99", "{:.1f}"),
             ("server TTFT p50 ms (HTTP request in -> first chunk out)", "server_ttft_ms_p50", "{:.1f}"),
             ("client TTFT p50 ms (vllm bench)", "client_ttft_ms_p50", "{:.1f}"),
@@ -327,6 +369,9 @@ def markdown(levels: dict) -> str:
     for label, k, f in keys:
         lines.append(f"| {label} | " + " | ".join("–" if levels[c].get(k) is None else f.format(levels[c][k])
                                                    for c in cs) + " |")
+    for k in ("used", "dropped"):
+        lines.append(f"| decode steps launched ahead, {k} | " + " | ".join(
+            str(levels[c].get("lookahead", {}).get(k, "–")) for c in cs) + " |")
     for k in next(iter(levels.values())).get("compiles", {}):
         lines.append(f"| {k} | " + " | ".join(str(levels[c].get("compiles", {}).get(k, "–")) for c in cs) + " |")
     for thr in ("engine_loop", "uvicorn", "other"):

@@ -19,15 +19,16 @@ One :meth:`Engine.step`::
 Decode lookahead (``ServeConfig.decode_lookahead``, the default): the decode worker launches the next decode step for
 the same rows before it reads this step's tokens (fed on the device), so the host's work between two steps overlaps
 the device's; the next step uses it only if its inputs turn out exactly the same (``workers.Ahead.matches``), else
-drops it. Not launched while a prefill is in flight (its rows are about to change).
+drops it. Rows new to the batch (a prompt handed off, a request swapped back in, a prefix hit's last token below)
+wait one step while a step launched ahead is pending, so it is used, not dropped: the launch ahead goes on while a
+prefill computes, and each arrival costs one step not overlapped, not a prefill's worth of them.
 
 A prefix hit's last token as a decode row (``ServeConfig.decode_hit_suffix``, the default): a fresh prompt whose
 cached pages leave one token to compute, or a prompt of whole pages cached to its last page (a hit stops a page short,
 so that one prompt token is computed; the cached last page is copied into the request's own page on the decode mesh),
 joins the decode rows at once; the decode step writes that token's KV and samples the first output token, with no
 prefill launch, no copy of the cached pages into the prefill pool and no handoff (with quantized weights, that first
-token comes from the decode weights). Rows joining while a step launched ahead is pending wait for the next step, so
-the launch ahead is used, not dropped.
+token comes from the decode weights).
 
 Overlap (``ServeConfig.overlap_prefill``, the default): prefill and decode run on disjoint meshes, so a step does
 not wait for the prefill it launched; the decode rows keep stepping and a later step collects each launch once it
@@ -165,7 +166,7 @@ class Engine:
         self.swap_stats = dict(swap_outs=0, swap_ins=0, bytes=0, seconds=0.0)  # preemption="swap" traffic
         self.fault_hooks: list[Any] = []  # callables(engine, rows) run before each integrity check (fault injection)
         self._inflight: list[InFlight] = []  # prefill groups launched and not yet collected (overlap_prefill)
-        self._joining: set[str] = set()  # prefix hits' one-token suffixes made decode rows, not yet decoded
+        self._joining: set[str] = set()  # rows new to the decode batch (handed off, swapped in, a hit's last token)
 
     @classmethod
     def from_hydra(cls, hydra_cfg: Any) -> Engine:
@@ -523,6 +524,7 @@ class Engine:
                 self.allocator.forget(private)
                 self.decode.scrub(private)
             self.scheduler.prefilled(s)
+            self._joining.add(s.id)  # a new decode row: joins the step after a pending step ahead
             if tok != NONFINITE_TOKEN:
                 self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
@@ -542,6 +544,7 @@ class Engine:
                 else:
                     self.decode.swap_in(self.tables.owned(s.id), s.swap)
                     s.swap = None
+                    self._joining.add(s.id)
             except Exception as e:
                 if self._device_failure([s], e):
                     self._fail([s], e)
@@ -552,8 +555,8 @@ class Engine:
 
     def _run_decode(self, rows: list[Sequence], events: list) -> None:
         t0 = time.perf_counter()
-        # launch the next step before reading this one's tokens, unless a prefill in flight is about to add rows
-        lookahead = self.serve.decode_lookahead and not self._inflight
+        # launch the next step before reading this one's tokens
+        lookahead = self.serve.decode_lookahead
         if self._joining:
             old = [s for s in rows if s.id not in self._joining]
             if len(old) < len(rows) and old and self.decode.ahead_ids == tuple(s.id for s in old):

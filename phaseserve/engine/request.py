@@ -129,10 +129,12 @@ class Request:
 @dataclass
 class RequestMetrics:
     """Times are ``time.perf_counter()`` seconds. ``arrival``: added to the engine; ``received``: taken in by a front
-    end that queued it for the engine (the HTTP server's engine loop inbox), None when added directly."""
+    end that queued it for the engine (the HTTP server's engine loop inbox), None when added directly; ``admitted``:
+    first admitted by the scheduler (its wait in the queue ends)."""
 
     arrival: float = 0.0
     received: float | None = None
+    admitted: float | None = None  # first given its pages (the scheduler's admission), after any wait in the queue
     first_token: float | None = None
     finished: float | None = None
     num_prompt_tokens: int = 0

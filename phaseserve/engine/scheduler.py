@@ -50,6 +50,7 @@ and reports it in ``ScheduleResult.failed``; the rest of the round goes on.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -247,6 +248,8 @@ class Scheduler:
         seq.shared_pages = len(hits)
         seq.computed = len(hits) * self.page_size if fresh else seq.num_prompt
         seq.output.metrics.prefix_hit_tokens = len(hits) * self.page_size
+        if seq.output.metrics.admitted is None:
+            seq.output.metrics.admitted = time.perf_counter()
         return ADMITTED
 
     def _release(self, seq: Sequence) -> None:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from phaseserve.cache.allocator import PageAllocator, PageTables
+from phaseserve.cache.allocator import NULL_PAGE, PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.cache.paged import clear_pages, init_pool
 from phaseserve.config import ModelConfig, ServeConfig, canonical_dtype
@@ -346,6 +346,16 @@ class DecodeWorker:
         self.lookahead_stats["dropped"] += self._ahead is not None
         self._pool, self._ahead = value, None
 
+    def _written(self, value: Any, pages: list[int]) -> None:
+        """The pool after a write to ``pages`` only (pages landed, copied or swapped in for rows new to the batch; the
+        null page rewritten with its own contents by padding): a step launched ahead that reads none of them stays,
+        since it neither read nor wrote them, and the write runs after it on the device; else it is dropped."""
+        read = self._ahead.check[0] if self._ahead is not None else None
+        if read is not None and not np.isin(np.setdiff1d(pages, [NULL_PAGE]), read).any():
+            self._pool = value
+        else:
+            self.pool = value
+
     def pool_ok(self) -> bool:
         """False when a failed call consumed the (donated) pool: its buffers are gone."""
         return not any(x.is_deleted() for x in jax.tree.leaves(self.pool))
@@ -376,7 +386,7 @@ class DecodeWorker:
         n, layers = host
         idx = np.zeros(jax.tree.leaves(layers)[0].shape[0], np.int32)
         idx[:n] = pages[:n]
-        self.pool = self._put(self.pool, idx, layers)
+        self._written(self._put(self.pool, idx, layers), idx)
 
     @staticmethod
     def swap_nbytes(host: tuple[int, Any]) -> int:
@@ -388,11 +398,11 @@ class DecodeWorker:
         n = bucket(len(src))
         s, d = np.zeros(n, np.int32), np.zeros(n, np.int32)
         s[: len(src)], d[: len(dst)] = src, dst
-        self.pool = self._put(self.pool, d, self._gather(self.pool, s))
+        self._written(self._put(self.pool, d, self._gather(self.pool, s)), d)
 
     def land(self, pages: list[int], payload: list) -> None:
         """Write handed-over whole pages (already in the storage dtype, on the decode devices) into ``pages``."""
-        self.pool = import_paged(self._import, self.pool, pages, payload)
+        self._written(import_paged(self._import, self.pool, pages, payload), pages)
 
     def export(self, pages: list[int], dtype: str) -> list:
         """These decode pages' KV dequantized and rounded to ``dtype`` (a prefix hit going to the prefill pool)."""
