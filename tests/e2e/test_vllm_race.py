@@ -171,9 +171,9 @@ def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
     timers.clip(9.0, 13.0)  # the idle waits before 9 s and after 13 s are cut off
     assert timers.seconds["drain"] == pytest.approx(1.0 + 0.5) and timers.calls["drain"] == 2
     assert timers.durations["prefill.collect"] == [1.5] and timers.calls["prefill.collect"] == 2
-    finished = [SimpleNamespace(ttft=0.2, received=9.0, arrival=9.01, first_token=9.21, finished=9.9,
+    finished = [SimpleNamespace(ttft=0.2, received=9.0, arrival=9.01, admitted=9.05, first_token=9.21, finished=9.9,
                                 prefix_hit_tokens=0),
-                SimpleNamespace(ttft=0.4, received=9.5, arrival=9.6, first_token=10.0, finished=10.5,
+                SimpleNamespace(ttft=0.4, received=9.5, arrival=9.6, admitted=9.7, first_token=10.0, finished=10.5,
                                 prefix_hit_tokens=16)]
     bench = {"ttft_p50_ms": 350.0, "tpot_p50_ms": 5.0, "output_tok_per_s": 100.0}
     lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
@@ -184,6 +184,14 @@ def test_profile_timers_clip_to_the_requests_span_and_split_the_step():
     assert lv["phases_share"]["loop (rest)"] == pytest.approx((4.0 - 1.5 - 2.0) / 4)
     assert lv["prefill_collect_ms_p50"] == pytest.approx(1500.0)
     assert lv["engine_ttft_ms_p50"] == pytest.approx(300.0) and lv["inbox_wait_ms_p50"] == pytest.approx(55.0)
+    assert lv["queue_wait_ms_p50"] == pytest.approx(70.0) and lv["server_ttft_ms_p50"] is None
+    timers.joined = {id(finished[1])}  # the second request's last prompt token ran as a decode row
+    lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench,
+                           spans=[(9.0, 9.25), (9.5, 10.05)])
+    assert lv["server_ttft_ms_p50"] == pytest.approx(400.0) and lv["requests_last_token_decode_row"] == 1
+    assert lv["engine_ttft_decode_row_ms_p50"] == pytest.approx(400.0)
+    assert lv["engine_ttft_prefilled_ms_p50"] == pytest.approx(200.0)
+    assert [r["decode_row"] for r in lv["timeline"]] == [False, True]
     assert "| prefill.collect | 1050.000 (26%) |" in rpf.markdown({1: lv})
     timers.in_flight = [(0.02, 1), (0.04, 3), (0.03, 2)]  # (launch -> first tokens s, chunks) per launch
     lv = rpf.level_profile(timers, finished, 4.0, {"engine_loop": 1.0, "uvicorn": 0.5, "other": 2.0}, bench)
@@ -221,3 +229,35 @@ def test_profile_sums_the_replicas_loop_threads():
     assert set(cpu) == {"engine_loop", "uvicorn", "other"}
     assert each["engine_loop_0"] >= 0.04 and each["engine_loop_1"] >= 0.04
     assert cpu["engine_loop"] == pytest.approx(each["engine_loop_0"] + each["engine_loop_1"], abs=2e-3)
+
+
+def test_http_times_stamps_a_completions_requests_first_streamed_chunk():
+    """The profile's server-side TTFT: from a completions request's ASGI call to its first non-empty body message
+    (an empty one is not a token); other routes are not timed."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from lab.bench import race_profile as rpf
+
+    async def chunks():
+        yield b""
+        await asyncio.sleep(0.05)
+        yield b"data: 1\n\n"
+
+    async def completions(_):
+        return StreamingResponse(chunks())
+
+    async def health(_):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/health", health)])
+    spans: list = []
+    app.add_middleware(rpf.HttpTimes, spans=spans)
+    with TestClient(app) as client:
+        assert client.post("/v1/completions").text == "data: 1\n\n"
+        assert client.get("/health").text == "ok"
+    assert len(spans) == 1 and spans[0][1] - spans[0][0] >= 0.05
