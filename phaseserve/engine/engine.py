@@ -90,6 +90,7 @@ from phaseserve.engine.request import (
 )
 from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk, Scheduler
+from phaseserve.engine.shapes import bucket
 from phaseserve.engine.workers import Launched, PhaseWorkers, local_workers
 from phaseserve.model.params import Params
 
@@ -651,14 +652,18 @@ class Engine:
 
     def warm_handoff(self) -> int:
         """Compile the handoff's export and import (both ways: prompt pages to decode, prefix hits to prefill) at
-        every power-of-two chunk size they can use, so serving never compiles them (page id 0 reads the null page's
-        zeros and writes nothing). Returns the number of chunk sizes."""
+        every power-of-two chunk size they can use, and the decode pool's page copy (a whole cached prompt's last
+        page, ``decode_hit_suffix``) at every power of two up to one page per row, so serving never compiles them
+        (page id 0 reads the null page's zeros and writes nothing). Returns the number of chunk sizes."""
         sizes = [1 << i for i in range((self.prefill.num_pages - 1).bit_length())]  # 1, 2, 4, .. <= pages held
         for size in sizes:
             null = [0] * size
             self.decode.land(null, self._carry(self.prefill.export(null), self.decode))
             if size <= self.limits.max_pages:  # a prefix hit is at most one request's pages
                 self.prefill.land(null, self._carry(self.decode.export(null, self.prefill.pool_dtype), self.prefill))
+        if self.serve.decode_hit_suffix:
+            for size in (1 << i for i in range(bucket(self.max_batch).bit_length())):  # 1, 2, .. bucket(max_batch)
+                self.decode.copy_pages([0] * size, [0] * size)
         self.prefill.block()
         self.decode.block()
         return len(sizes)

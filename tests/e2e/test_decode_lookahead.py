@@ -112,6 +112,19 @@ def test_a_prefix_hits_one_token_suffix_is_a_decode_row(model, lookahead):
         assert stats[True]["used"] > 0 and stats[True]["dropped"] == 0
 
 
+def test_warm_up_compiles_the_page_copy_of_every_join_count(model):
+    """A whole cached prompt's last page is copied on the decode mesh when its request joins; the warm-up compiles
+    that copy for 1, 2, .. bucket(max_batch) pages, so a step's joins never compile it while requests wait."""
+    cfg, params = model
+    eng = ps.Engine(cfg, params, serve_config(max_batch=4, num_pages=32))
+    before = (eng.decode._gather._cache_size(), eng.decode._put._cache_size())
+    eng.warm_handoff()
+    warmed = (eng.decode._gather._cache_size(), eng.decode._put._cache_size())
+    assert warmed == (before[0] + 3, before[1] + 3)  # 1, 2 and 4 pages
+    eng.decode.copy_pages([1, 2, 3], [4, 5, 6])
+    assert (eng.decode._gather._cache_size(), eng.decode._put._cache_size()) == warmed
+
+
 @pytest.fixture(scope="module")
 def fault_run(model):
     """Four requests and their fault-free tokens."""
