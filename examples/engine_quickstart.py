@@ -1,5 +1,6 @@
 """Serve a few requests through the disaggregated engine: FP8 KV pages, INT4 decode weights, FP8 prefill weights,
-the page-tag integrity check on, and a fault injected into one request to show that only it is aborted.
+the page-tag integrity check on, and a fault injected into one request to show that only it is aborted; then a prompt
+served again from the prefix cache, its last token run as a decode row instead of a prefill launch.
 
 Run: ``python examples/engine_quickstart.py`` (CPU is fine; it simulates 2 devices so prefill and decode get
 their own meshes).
@@ -25,7 +26,8 @@ serve = ps.ServeConfig(
     mode="disaggregated",  # prefill on device 0, decode on device 1
     quant=ps.QuantConfig(prefill_weights="fp8", decode_weights="int4", kv_dtype="float8_e4m3fn",
                          int4_group_size=32),
-    cache=ps.CacheConfig(page_size=16, kv_budget_bytes=2 << 20, max_pages_per_seq=16, integrity=True),
+    cache=ps.CacheConfig(page_size=16, kv_budget_bytes=2 << 20, max_pages_per_seq=16, integrity=True,
+                         retain_prefixes=True),  # finished prompts' pages stay cached until reused
     max_batch=8,
 )
 engine = ps.Engine(cfg, params, serve)
@@ -50,3 +52,13 @@ print(f"decode steps launched ahead of the previous step's tokens: used {ahead['
       "(dropped: the next step's rows or inputs differed, e.g. after the fault)")
 print(f"KV pages: {engine.num_pages} ({engine.kv_dtype}); all free again: "
       f"{engine.allocator.num_free == engine.num_pages - 1}")
+
+# The same 32-token prompt (two whole pages) twice: the second is cached to its last page, which is copied into its
+# own page, and its last token runs in the decode step (engine.decode_hit_suffix): no prefill launch.
+engine.fault_hooks.clear()
+prompt = list(range(100, 132))
+engine.generate([ps.Request(id="first", prompt=prompt, max_tokens=6, ignore_eos=True)])
+before = engine.metrics.prefill_tokens
+again = engine.generate([ps.Request(id="again", prompt=prompt, max_tokens=6, ignore_eos=True)])[0]
+print(f"again: {again.metrics.prefix_hit_tokens} prompt tokens from the prefix cache, "
+      f"{engine.metrics.prefill_tokens - before} prefilled, tokens {again.tokens}")

@@ -140,7 +140,8 @@ def test_streaming_and_cancellation(mla):
 def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
     """``step(after_prefill=...)`` runs once the round's prefill emitted the new requests' first tokens and before
     its decode step: the new request holds one token, the running ones not yet this round's; the tokens are those
-    of a run without the hook. Here each step waits for its prefill (``overlap_prefill=False``)."""
+    of a run without the hook. Here each step waits for its prefill (``overlap_prefill=False``). The new rows join
+    the decode step after the one launched ahead for the running row (used, not dropped)."""
     cfg, params = mla
     reqs = random_requests(cfg.vocab_size, 3, seed=11, max_tokens=(6, 7))
     ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(mode)).generate(reqs)}
@@ -158,9 +159,11 @@ def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
     before = len(eng.outputs["r0"].tokens)
     eng.step(after_prefill=hook)
     assert seen == [{"r0": before, "r1": 1, "r2": 1}]
-    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": before + 1, "r1": 2, "r2": 2}
+    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": before + 1, "r1": 1, "r2": 1}
+    assert eng.decode.lookahead_stats["dropped"] == 0
     eng.step(after_prefill=hook)  # a decode-only round: no call
     assert len(seen) == 1
+    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": before + 2, "r1": 2, "r2": 2}
     while eng.has_work:
         eng.step(after_prefill=hook)
     assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref
@@ -169,7 +172,8 @@ def test_after_prefill_sees_first_tokens_before_the_steps_decode(mla, mode):
 def test_overlapped_prefill_decodes_the_running_rows_while_it_computes(mla):
     """``overlap_prefill`` (the default): the step that launches new prompts' prefill decodes the running request
     without waiting for it; a later step collects it (``after_prefill`` then sees the first tokens, before that
-    step's decode), and every request's tokens equal a run that waits for each prefill."""
+    step's decode; the new rows join the step after the one launched ahead for the running row), and every request's
+    tokens equal a run that waits for each prefill."""
     cfg, params = mla
     reqs = random_requests(cfg.vocab_size, 3, seed=11, max_tokens=(6, 7))
     ref = {o.id: o.tokens for o in ps.Engine(cfg, params, serve_config(overlap_prefill=False)).generate(reqs)}
@@ -191,7 +195,10 @@ def test_overlapped_prefill_decodes_the_running_rows_while_it_computes(mla):
     eng.prefill.block()  # the launched chunk step has finished: the next step collects it
     eng.step(after_prefill=hook)
     assert seen == [{"r0": 3, "r1": 1, "r2": 1}] and not eng._inflight
-    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": 4, "r1": 2, "r2": 2}
+    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": 4, "r1": 1, "r2": 1}
+    eng.step()
+    assert {r.id: len(eng.outputs[r.id].tokens) for r in reqs} == {"r0": 5, "r1": 2, "r2": 2}
+    assert eng.decode.lookahead_stats["dropped"] == 0
     while eng.has_work:
         eng.step()
     assert {r.id: eng.outputs[r.id].tokens for r in reqs} == ref

@@ -90,6 +90,7 @@ def test_engine_quickstart_example_aborts_only_the_corrupted_request():
     assert all("length" in lines[f"r{i}"] for i in (0, 1, 2, 4, 5))
     assert "all free again: True" in out.stdout
     assert re.search(r"launched ahead of the previous step's tokens: used [1-9]", out.stdout), out.stdout
+    assert "again: 16 prompt tokens from the prefix cache, 0 prefilled" in out.stdout, out.stdout
 
 
 @pytest.mark.slow  # ~50 s; tests/e2e/test_server_replicas.py checks the same path in the default run
