@@ -395,16 +395,18 @@ class Engine:
         into the request's own page, bit for bit, and its last token recomputed there, so no shared page is
         written. Requests asking for prompt logprobs or for no output, and a chunk already in flight, keep the
         prefill path."""
-        busy = {c.id for f in self._inflight for c in f.group}
         page = self.serve.cache.page_size
+        found = [s for s in self.scheduler.running
+                 if s.shared_pages and s.computed == s.shared_pages * page and s.num_prompt - s.computed in (1, page)
+                 and s.num_prompt == len(s.tokens) and s.output.prompt_logprobs is None and s.request.max_tokens > 0]
+        if not found:  # the common step: no prompt waits on its first chunk after a hit
+            return
+        busy = {c.id for f in self._inflight for c in f.group}
         join, copies = [], []  # copies: (request, cached page, its own page)
-        for s in self.scheduler.running:
-            rest = s.num_prompt - s.computed
-            if not (s.shared_pages and s.computed == s.shared_pages * page and rest in (1, page)
-                    and s.num_prompt == len(s.tokens) and s.output.prompt_logprobs is None
-                    and s.request.max_tokens > 0 and s.id not in busy):
+        for s in found:
+            if s.id in busy:
                 continue
-            if rest == 1:
+            if s.num_prompt - s.computed == 1:
                 join.append(s)
                 continue
             cached = self.scheduler.cached_page(s, s.shared_pages)  # else this request prefills its last page
