@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from phaseserve.config import ConfigError, MeshConfig, ModelConfig
 from phaseserve.kernel_mesh import DEFAULT_RULES, KernelDispatch, component_specs, head_axis, spec_for, weight_spec
-from phaseserve.model.params import logical_axes
+from phaseserve.model.params import logical_axes, stored_params
 
 __all__ = ["DEFAULT_RULES", "SIMULATE_HINT", "make_mesh", "mesh_of", "param_shardings", "phase_devices",
            "pick_devices", "pool_shardings", "replicated", "shard_params", "sharded_step", "spec_for",
@@ -103,9 +103,11 @@ def phase_devices(devices: list, mesh: MeshConfig, mode: str) -> tuple[list, lis
 
 
 def weight_axes(cfg: ModelConfig, params: Any) -> list[tuple[Any, tuple]]:
-    """``(weight, logical axes)`` for every weight of ``params`` (a quantized weight is one entry)."""
+    """``(weight, logical axes)`` for every weight of ``params`` (a quantized weight is one entry; the layouts derived
+    for a phase, which no kernel call takes, left out)."""
     out: list[tuple[Any, tuple]] = []
-    jax.tree.map(lambda ax, w: out.append((w, ax)), logical_axes(cfg), params, is_leaf=lambda x: isinstance(x, tuple))
+    jax.tree.map(lambda ax, w: out.append((w, ax)), logical_axes(cfg), stored_params(params),
+                 is_leaf=lambda x: isinstance(x, tuple))
     return out
 
 

@@ -56,6 +56,7 @@ from phaseserve.cache.paged import as_stored, init_pool
 from phaseserve.config import ModelConfig
 from phaseserve.config_hydra import repo_path
 from phaseserve.engine.decode_step import DecodeBatch, decode_step
+from phaseserve.model.attention_mla import with_head_major_kv_b
 from phaseserve.model.params import init_params, param_count
 
 MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml",
@@ -156,9 +157,10 @@ def random_pool(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype: str,
 
 def setup(cfg: ModelConfig, batch: int, *, context: int = 160, page_size: int = 16, pool_factor: int = 1,
           kv_dtype: str = "float32", seed: int = 0) -> dict[str, Any]:
-    """Params, a random-filled pool and one decode batch whose rows each hold ``context`` cached tokens."""
+    """Params (MLA's kv_b laid out per head, as a decode worker holds them), a random-filled pool and one decode batch
+    whose rows each hold ``context`` cached tokens."""
     key = jax.random.key(seed)
-    params = init_params(cfg, key, "float32")
+    params = with_head_major_kv_b(cfg, init_params(cfg, key, "float32"))
     per_row = -(-(context + 1) // page_size)
     num_pages = 1 + batch * per_row * pool_factor
     pool = random_pool(cfg, num_pages, page_size, kv_dtype, jax.random.fold_in(key, 1))

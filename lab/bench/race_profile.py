@@ -275,7 +275,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     from lab.bench import vllm_race as vr
     from lab.bench.schema import setup_jax
     from phaseserve.server.app import create_app
-    from phaseserve.server.launch import build_backend, compose, start_in_thread, tokenizer_of, warm_up
+    from phaseserve.server.launch import build_backend, compose, replica_fill, start_in_thread, tokenizer_of, warm_up
 
     overrides = [f"model.checkpoint={ckpt}", f"model.name={name}", f"experiment.model_name={name}",
                  *spec.phaseserve_overrides]
@@ -287,7 +287,8 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
     tok = tokenizer_of(cfg)
     backend = build_backend(cfg)
     warm_up(backend if isinstance(backend, list) else [backend], str(cfg.experiment.get("warmup", "auto")))  # as serve
-    app = create_app(backend, tok, name, stream_interval=int(cfg.experiment.stream_interval))
+    app = create_app(backend, tok, name, stream_interval=int(cfg.experiment.stream_interval),
+                     replica_fill=replica_fill(cfg))
     spans: list[tuple[float, float]] = []  # (ASGI call in, first body out) per completions request
     app.add_middleware(HttpTimes, spans=spans)
     server, thread, url = start_in_thread(app, port=spec.port_phaseserve, keep_alive_s=600.0)

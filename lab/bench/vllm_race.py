@@ -49,7 +49,9 @@ CAVEATS = [
     "process); phaseserve runs XLA on every core, with the HTTP server in a thread of the same process.",
     "phaseserve serves whatever phaseserve_overrides say (see Settings); since 2026-12-07 two engine replicas of 16 "
     "rows each (vLLM's 32 sequences in all) sharing one device layout and its compiled steps, each driven by its own "
-    "thread, the server routing a request to the replica that holds its prompt's cached prefix.",
+    "thread, the server routing a request to the replica that holds its prompt's cached prefix; since the fourth "
+    "session of 2026-12-07 (experiment.replica_fill=16) the second replica takes requests only while the first runs "
+    "16, so at concurrency 1 and 8 one replica serves.",
     "With VLLM_MLA_DISABLE=1 (the small MLA shape, which vLLM's CPU MLA kernels reject: they accept only kv_lora "
     "512 + rope 64) vLLM stores expanded per-head K/V, not the MLA latent; the 512 + 64 model runs its real MLA.",
     "vLLM is never run with --enforce-eager, which gives wrong tokens for this architecture on the CPU.",

@@ -65,14 +65,16 @@ def row_bucket(n: int) -> int:
 
 
 def chunk_bucket(n: int) -> int:
-    """Padded length of a prefill chunk of ``n`` tokens: 1 for a single token, else a multiple of 16 up to 128, then
-    a quarter-octave step (160, 192, 224, 256, 320, ...): the next multiple of ``max(16, bucket(n) / 8)``. A power of
-    two pads a prompt of 2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most a
-    quarter of the chunk (a fifth above 128 tokens), at four compiled lengths per octave. The single token is that
-    prompt's suffix after a prefix hit on its 2^k cached tokens: padded to 16 it would cost 16 tokens' FFN per row."""
+    """Padded length of a prefill chunk of ``n`` tokens: 1 for a single token, else a multiple of 16 up to 256, then
+    a quarter-octave step (320, 384, 448, 512, 640, ...): the next multiple of ``bucket(n) / 8``. A power of two pads
+    a prompt of 2^k + 1 tokens (a 128-token prompt behind its <bos>) to twice its length; this pads at most 15 tokens
+    up to 256 (a 129-143-token prompt, as ``vllm bench serve``'s 128 random tokens re-tokenize, computes 144 positions,
+    not 160: ~10% of its prefill) and a fifth of the chunk above, at four compiled lengths per octave there. The single
+    token is that prompt's suffix after a prefix hit on its 2^k cached tokens: padded to 16 it would cost 16 tokens'
+    FFN per row."""
     if n <= 1:
         return 1
-    g = max(16, bucket(n) // 8)
+    g = 16 if n <= 256 else bucket(n) // 8
     return max(16, -(-n // g) * g)
 
 

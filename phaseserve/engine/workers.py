@@ -53,6 +53,7 @@ from phaseserve.engine.sampling import NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import bucket, cache_pages, chunk_groups, decode_shapes, prefill_pages, prefill_shapes
 from phaseserve.kernel_mesh import KernelDispatch
+from phaseserve.model.attention_mla import with_head_major_kv_b
 from phaseserve.quant.policy import phase_policy
 from phaseserve.quant.quantize import quantize_params
 from phaseserve.sharding import make_mesh, phase_devices, pool_shardings, replicated, shard_params, sharded_step
@@ -522,6 +523,7 @@ def build_decode(cfg: ModelConfig, params: Any, serve: ServeConfig, devices: lis
     m, c = serve.mesh, serve.cache
     mesh = make_mesh(devices, tp=m.decode_tp, ep=m.decode_ep)
     params = shard_params(cfg, quantize_params(params, phase_policy(serve.quant, "decode")), mesh)
+    params = with_head_major_kv_b(cfg, params)  # the absorbed products read W_uk / W_uv in place in every step
     kv_dtype = canonical_dtype(serve.quant.kv_dtype)
     return DecodeWorker(cfg, params, mesh, pool_dtype=kv_dtype, num_pages=cache_pages(cfg, c, kv_dtype, devices[0]),
                         page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq, integrity=c.integrity,
@@ -541,8 +543,10 @@ def build_prefill(cfg: ModelConfig, params: Any, serve: ServeConfig, mesh: jax.s
 
 
 def prefill_params(cfg: ModelConfig, params: Any, serve: ServeConfig, mesh: jax.sharding.Mesh) -> Any:
-    """``params`` in the prefill representation (``QuantConfig.prefill_weights``), sharded on ``mesh``."""
-    return shard_params(cfg, quantize_params(params, phase_policy(serve.quant, "prefill")), mesh)
+    """``params`` in the prefill representation (``QuantConfig.prefill_weights``), sharded on ``mesh`` (MLA's kv_b
+    also laid out per head, for a chunk over cached keys in the weight-absorbed form)."""
+    return with_head_major_kv_b(cfg, shard_params(cfg, quantize_params(params, phase_policy(serve.quant, "prefill")),
+                                                  mesh))
 
 
 def local_workers(cfg: ModelConfig, params: Any, serve: ServeConfig, attn_impl: str = "auto",

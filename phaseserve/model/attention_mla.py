@@ -20,6 +20,8 @@ keys the DSA indexer selects (:mod:`phaseserve.model.indexer`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -29,7 +31,7 @@ from phaseserve.kernel_mesh import DIRECT, KernelDispatch
 from phaseserve.model import indexer
 from phaseserve.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, softmax_scale
 from phaseserve.model.params import MLAParams
-from phaseserve.qarrays import dense, dequantize
+from phaseserve.qarrays import dense, dequantize, is_quantized
 
 
 def queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, *, kd: KernelDispatch = DIRECT):
@@ -58,10 +60,47 @@ def latents(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     return jnp.concatenate([c, k_rope], axis=-1)
 
 
-def _kv_b(p: MLAParams, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """W_uk [r, H, nope] and W_uv [r, H, v] from kv_b_proj (dequantized: it is small)."""
-    w = dequantize(p.wkv_b, dtype).reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+def _kv_b(p: MLAParams, cfg: ModelConfig, dtype) -> jax.Array:
+    """kv_b_proj as [r, H, nope + v] (dequantized: it is small)."""
+    return dequantize(p.wkv_b, dtype).reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+
+
+def absorb_query(p: MLAParams, cfg: ModelConfig, q_nope: jax.Array) -> jax.Array:
+    """q_nope [..., H, nope] -> q_latent [..., H, r] = q_nope @ W_uk^T per head, in q_nope's dtype. Reads the
+    head-major W_uk of ``p.kv_b_heads`` where set; else slices it from wkv_b (on XLA:CPU a relayout copy of the
+    weight in every call: the per-head product needs the head axis major). The product comes out in the operands'
+    dtype (XLA:CPU has no float32 result for two bfloat16 operands in every layout; the accumulation is float32)."""
+    if p.kv_b_heads is not None:
+        q = jnp.einsum("...hn,hnr->...hr", q_nope, p.kv_b_heads[0].astype(q_nope.dtype))
+    else:
+        q = jnp.einsum("...hn,rhn->...hr", q_nope, _kv_b(p, cfg, q_nope.dtype)[..., : cfg.qk_nope_head_dim])
+    return q.astype(q_nope.dtype)
+
+
+def absorb_output(p: MLAParams, cfg: ModelConfig, o_latent: jax.Array) -> jax.Array:
+    """o_latent [..., H, r] -> per-head values [..., H, v] = o_latent @ W_uv per head, in o_latent's dtype (W_uv
+    head-major from ``p.kv_b_heads`` where set, as :func:`absorb_query`)."""
+    if p.kv_b_heads is not None:
+        v = jnp.einsum("...hr,hrv->...hv", o_latent, p.kv_b_heads[1].astype(o_latent.dtype))
+    else:
+        v = jnp.einsum("...hr,rhv->...hv", o_latent, _kv_b(p, cfg, o_latent.dtype)[..., cfg.qk_nope_head_dim:])
+    return v.astype(o_latent.dtype)
+
+
+def with_head_major_kv_b(cfg: ModelConfig, params: Any) -> Any:
+    """``params`` with ``kv_b_heads`` set on every MLA layer whose wkv_b is a plain float array: W_uk [H, nope, r]
+    and W_uv [H, r, v], computed once (on wkv_b's devices) so the absorbed products read them in place. Quantized
+    wkv_b (dequantized in every step anyway), layers already set and other attention kinds are left as they are."""
+    def one(layer: Any) -> Any:
+        a = layer.attn
+        if not isinstance(a, MLAParams) or a.kv_b_heads is not None or is_quantized(a.wkv_b):
+            return layer
+        w = _kv_b(a, cfg, a.wkv_b.dtype)  # [r, H, nope + v]
+        uk = jnp.transpose(w[..., : cfg.qk_nope_head_dim], (1, 2, 0))
+        uv = jnp.transpose(w[..., cfg.qk_nope_head_dim:], (1, 0, 2))
+        return layer.replace(attn=a.replace(kv_b_heads=(uk, uv)))
+
+    return params.replace(layers=[one(layer) for layer in params.layers])
 
 
 def absorbed_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
@@ -121,7 +160,6 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
     ctx = kv if context is None else context(kv)
     ctx_lat, ctx_index = ctx if isinstance(ctx, tuple) else (ctx, None)
     c, k_rope = ctx_lat[..., : cfg.kv_lora_rank], ctx_lat[..., cfg.kv_lora_rank:]
-    w_uk, w_uv = _kv_b(p, cfg, x.dtype)
     if cfg.index_topk is not None and ctx_lat.shape[1] > cfg.index_topk:
         index = None
         if p.indexer is not None:
@@ -129,20 +167,20 @@ def forward(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array, 
             index = (q_idx, w, ctx_index)
         elif selection is None:
             raise ValueError("a DSA layer without indexer weights ('shared') needs the previous layer's selection")
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+        q_lat = absorb_query(p, cfg, q_nope)
         with jax.named_scope("attention"):
             o_lat, selection = indexer.sparse_prefill(cfg, q_lat, q_rope, ctx_lat, positions, lengths,
                                                       softmax_scale(cfg), index=index, selection=selection)
-        v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
-        return output(p, v, kd=kd), kv, selection
+        return output(p, absorb_output(p, cfg, o_lat), kd=kd), kv, selection
     if context is not None and absorbed_is_cheaper(cfg, x.shape[1], ctx_lat.shape[1]):
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+        q_lat = absorb_query(p, cfg, q_nope)
         with jax.named_scope("attention"):
             o_lat = latent_attention(q_lat, q_rope, ctx_lat, positions, lengths, softmax_scale(cfg))
-        v = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
-        return output(p, v, kd=kd), kv, None
-    k_nope = jnp.einsum("btr,rhn->bthn", c, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-    v = jnp.einsum("btr,rhv->bthv", c, w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
+        return output(p, absorb_output(p, cfg, o_lat), kd=kd), kv, None
+    # every key through the whole W_kv_b in one product, split after: slicing the weight's halves first would copy
+    # them in every call on XLA:CPU (the product in the operands' dtype, as absorb_query)
+    kv_h = jnp.einsum("btr,rhk->bthk", c, _kv_b(p, cfg, x.dtype)).astype(x.dtype)
+    k_nope, v = kv_h[..., : cfg.qk_nope_head_dim], kv_h[..., cfg.qk_nope_head_dim:]
     k_rope_h = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], cfg.num_heads, k_rope.shape[-1]))
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k = jnp.concatenate([k_nope, k_rope_h], axis=-1)
@@ -159,8 +197,7 @@ def absorbed_queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: ja
     :class:`phaseserve.model.indexer.DSAQuery` and, on a layer with its own indexer, kv is ``(latent, index key
     [B, index_head_dim])``."""
     q_nope, q_rope, q_resid = queries(p, cfg, x[:, None], positions[:, None], kd=kd)
-    w_uk, _ = _kv_b(p, cfg, x.dtype)
-    q_lat = jnp.einsum("bhn,rhn->bhr", q_nope[:, 0], w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+    q_lat = absorb_query(p, cfg, q_nope[:, 0])
     lat = latents(p, cfg, x[:, None], positions[:, None], kd=kd)[:, 0]
     if cfg.index_topk is None:
         return (q_lat, q_rope[:, 0]), lat
@@ -173,6 +210,5 @@ def absorbed_queries(p: MLAParams, cfg: ModelConfig, x: jax.Array, positions: ja
 
 def absorbed_output(p: MLAParams, cfg: ModelConfig, o_latent: jax.Array, *, kd: KernelDispatch = DIRECT) -> jax.Array:
     """o_latent [B, H, r] -> [B, D] through W_uv and the output projection."""
-    _, w_uv = _kv_b(p, cfg, o_latent.dtype)
-    v = jnp.einsum("bhr,rhv->bhv", o_latent, w_uv, preferred_element_type=jnp.float32).astype(o_latent.dtype)
+    v = absorb_output(p, cfg, o_latent)
     return dense(v.reshape(v.shape[0], -1), p.wo, kd)

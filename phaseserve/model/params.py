@@ -92,6 +92,10 @@ class MLAParams:
     q_a_norm: Any = None  # [q_lora]
     wq_b: Any = None  # [q_lora, H*(nope+rope)]
     indexer: IndexerParams | None = None
+    # (W_uk [H, nope, kv_lora], W_uv [H, kv_lora, v]): wkv_b's halves laid out head-major for the weight-absorbed
+    # products, set on the engine workers' float weights (model.attention_mla.with_head_major_kv_b); None: sliced
+    # from wkv_b in every step
+    kv_b_heads: tuple[Any, Any] | None = None
 
 
 @struct.dataclass
@@ -108,6 +112,16 @@ class Params:
     layers: list[LayerParams]
     final_norm: Any  # [D]
     lm_head: Any = None  # [D, V]; None when tied to embed
+
+
+def stored_params(params: Params) -> Params:
+    """``params`` without the layouts derived from its weights for one phase (``MLAParams.kv_b_heads``): the tree
+    :func:`logical_axes` describes."""
+    def one(layer: LayerParams) -> LayerParams:
+        a = layer.attn
+        return layer.replace(attn=a.replace(kv_b_heads=None)) if getattr(a, "kv_b_heads", None) is not None else layer
+
+    return params.replace(layers=[one(layer) for layer in params.layers])
 
 
 def _mlp(d: int, f: int, dt: str, expert: bool = False) -> MLPParams:

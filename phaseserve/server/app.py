@@ -158,11 +158,13 @@ class Generation:
 def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: int = 1, *,
                api_keys: dict[str, str] | None = None, metrics_key: str | None = None,
                max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
-               max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT) -> FastAPI:
+               max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT, replica_fill: int | None = None) -> FastAPI:
     """The app over ``backend`` (one, or a list of replicas: one engine loop each); ``app.state.loops`` holds the
     loops while it runs. ``api_keys`` (key -> tenant) turns authentication on; ``metrics_key`` guards ``/metrics``;
     ``max_body_bytes`` caps a request body (None: no cap); see :mod:`phaseserve.server.security`.
-    ``max_in_flight`` caps the requests open at once (more get 503 ``server_overloaded``; None: no cap)."""
+    ``max_in_flight`` caps the requests open at once (more get 503 ``server_overloaded``; None: no cap).
+    ``replica_fill``: requests packed on the first replicas, up to this many each, before the next takes any
+    (:class:`~phaseserve.server.routing.Balancer`'s ``fill``; None: spread from the first request)."""
     if max_in_flight is not None and max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1 or None, got {max_in_flight}")
     backends = list(backend) if isinstance(backend, list | tuple) else [backend]
@@ -178,7 +180,8 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
                             stream_interval=stream_interval) for i, b in enumerate(backends)]
         app.state.loops = loops
         capacity = getattr(getattr(backends[0], "engine", None), "max_batch", None)  # each replica's batch
-        state["balancer"] = Balancer(loops, max_in_flight, page_size=limits.page_size, capacity=capacity)
+        state["balancer"] = Balancer(loops, max_in_flight, page_size=limits.page_size, capacity=capacity,
+                                     fill=replica_fill)
         yield
         for loop in loops:
             loop.close()

@@ -148,8 +148,14 @@ def serve(cfg: DictConfig) -> None:
     app = create_app(backend, tok, str(s.model_name), stream_interval=int(s.stream_interval), api_keys=keys,
                      metrics_key=None if metrics_key is None else str(metrics_key),
                      max_body_bytes=None if limit is None else int(limit),
-                     max_in_flight=None if cap is None else int(cap))
+                     max_in_flight=None if cap is None else int(cap), replica_fill=replica_fill(cfg))
     uvicorn.run(app, host=str(s.host), port=int(s.port), log_level=str(s.log_level))
+
+
+def replica_fill(cfg: DictConfig) -> int | None:
+    """``experiment.replica_fill`` of a server config: requests packed per replica before the next takes any."""
+    fill = cfg.experiment.get("replica_fill")
+    return None if fill is None else int(fill)
 
 
 def http_stack() -> dict[str, str]:

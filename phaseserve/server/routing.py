@@ -11,6 +11,13 @@ the replica with the fewest tokens in flight (prompt + ``max_tokens`` of its req
 lowest index. The map can be wrong (a replica evicts pages on its own): a wrong guess costs a prefill, never a
 wrong token.
 
+``fill`` (packing at low load): while some replica runs fewer than ``fill`` requests, a new request goes to the first
+such replica, or to the one holding its prefix if that one is already running requests and below the mark; past it
+on every replica, the rule above. Where each replica's step has a large fixed cost (XLA:CPU, where the replicas also
+share the cores), one batch of 7 rows beat two of 3.5 under ``vllm bench serve`` at concurrency 8
+(``benchmarks/vllm_race/profile.md``, 2026-12-07, fourth session): spreading from the first request pays that cost
+twice for the same tokens.
+
     page chain of a prompt:  h1 = hash(tenant, page 1); h2 = hash(h1, page 2); ...   (full pages only)
 """
 
@@ -42,11 +49,16 @@ class Balancer:
     """Routes requests over ``loops`` (the module docstring); at most ``max_in_flight`` requests are open at once over
     all loops (the engines' waiting queues are bounded under any load): one more is a 503 ``server_overloaded``.
     ``page_size`` None: no prefix affinity (least loaded only); ``capacity``: requests one replica runs at once (its
-    ``max_batch``; None: unbounded). Used from the event-loop thread only."""
+    ``max_batch``; None: unbounded); ``fill``: pack requests on the first replicas up to this many each (None: spread
+    from the first request). Used from the event-loop thread only."""
 
     def __init__(self, loops: list[Any], max_in_flight: int | None = None, page_size: int | None = None,
-                 capacity: int | None = None, affinity_slack: float = AFFINITY_SLACK, entries: int = AFFINITY_ENTRIES):
+                 capacity: int | None = None, affinity_slack: float = AFFINITY_SLACK, entries: int = AFFINITY_ENTRIES,
+                 fill: int | None = None):
+        if fill is not None and fill < 1:
+            raise ValueError(f"fill must be >= 1 or None, got {fill}")
         self.loops = loops
+        self.fill = fill
         self.load = [0] * len(loops)
         self.count = [0] * len(loops)  # requests in flight per replica
         self.capacity = capacity
@@ -62,13 +74,17 @@ class Balancer:
             raise ApiError(503, f"the server has {self.in_flight} requests in flight, its limit; retry later",
                            "server_error", code="server_overloaded")
         i = min(range(len(self.loops)), key=lambda j: (self.load[j], j))
-        if self.page_size:
-            chain = page_chain(req, self.page_size)
-            held = next((self.owner[h] for h in reversed(chain) if h in self.owner), None)
-            room = held is not None and (self.capacity is None or self.count[held] < self.capacity)
+        chain = page_chain(req, self.page_size) if self.page_size else []
+        held = next((self.owner[h] for h in reversed(chain) if h in self.owner), None)
+        below = [j for j in range(len(self.loops)) if self.fill is not None and self.count[j] < self.fill]
+        if below:  # packing: the prefix's replica if it already runs requests below the mark, else the first one
+            i = held if held in below and self.count[held] > 0 else below[0]
+        elif held is not None:
+            room = self.capacity is None or self.count[held] < self.capacity
             if room and self.load[held] - self.load[i] <= self.affinity_slack * request_load(req):
                 i = held
-                self.affinity_hits += 1
+        self.affinity_hits += held is not None and i == held
+        if self.page_size:
             for h in chain:
                 self.owner[h] = i
                 self.owner.move_to_end(h)

@@ -167,6 +167,42 @@ def test_the_balancer_sends_a_cached_prefix_to_its_replica_within_the_slack():
     assert len(capped.owner) == 3
 
 
+def test_the_balancer_packs_the_first_replica_up_to_fill():
+    """``fill``: requests go to the first replica below the mark (or to the running replica holding their prefix);
+    once every replica runs ``fill`` requests, to the least loaded; a bad mark is refused."""
+    def req(k, prompt=None, mt=8):
+        return ps.Request(id=f"f{k}", prompt=prompt or [k % 5 + 1] * 9, max_tokens=mt)
+
+    bal = Balancer([object()] * 2, fill=3)
+    reqs = [req(k) for k in range(8)]
+    assert [bal.acquire(r) for r in reqs[:6]] == [0, 0, 0, 1, 1, 1]
+    assert bal.count == [3, 3]
+    assert bal.acquire(req(6, mt=1)) == 0  # both at the mark: the least loaded (ties to the lowest)
+    bal.release(1, reqs[3])
+    assert bal.acquire(req(7)) == 1  # replica 1 fell below the mark
+    bal.release(0, reqs[0])
+    assert bal.acquire(req(8)) == 0
+    spread = Balancer([object()] * 2)
+    assert [spread.acquire(req(k)) for k in range(4)] == [0, 1, 0, 1]
+    shared = [7, 7, 7, 7, 8, 8, 8, 8]
+    aff = Balancer([object()] * 2, page_size=4, fill=4)
+    a, b, c = req(10, shared + [1]), req(11, [2] * 9), req(12, [3] * 9)
+    assert [aff.acquire(x) for x in (a, b, c)] == [0, 0, 0]
+    aff.release(0, a)
+    assert aff.acquire(req(13, shared + [2])) == 0  # its replica runs requests below the mark: there
+    two = Balancer([object()] * 2, page_size=4, fill=2)
+    first = req(20, [2] * 9)
+    assert [two.acquire(x) for x in (first, req(21, [3] * 9), req(22, shared + [1]))] == [0, 0, 1]
+    two.release(0, first)
+    assert two.acquire(req(23, shared + [2])) == 1  # replica 0 is below the mark too, but replica 1 holds the prefix
+    moved = Balancer([object()] * 2, page_size=4, fill=1)
+    assert moved.acquire(req(14, shared + [1])) == 0 and moved.acquire(req(15, [4] * 9)) == 1
+    moved.release(0, req(14, shared + [1]))
+    assert moved.acquire(req(16, shared + [3])) == 0 and moved.affinity_hits == 1  # replica 0 idle, but the first
+    with pytest.raises(ValueError, match="fill"):
+        Balancer([object()] * 2, fill=0)
+
+
 def test_the_server_config_builds_one_backend_per_replica():
     from phaseserve.server.launch import build_backend, compose
 

@@ -1,4 +1,4 @@
-"""Padded prefill shapes: :func:`chunk_bucket` (a chunk's padded length) wastes at most a quarter of what it pads,
+"""Padded prefill shapes: :func:`chunk_bucket` (a chunk's padded length) wastes at most a fifth of what it pads,
 and :func:`prefill_shapes` (what ``Engine.warm_up`` compiles) lists every shape a chunk group is padded to."""
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from hypothesis import strategies as st
 from phaseserve.engine.shapes import bucket, chunk_bucket, prefill_shapes
 
 
-def test_chunk_bucket_pads_little_and_compiles_four_lengths_per_octave():
+def test_chunk_bucket_pads_little_and_compiles_four_lengths_per_octave_above_256():
     padded = [chunk_bucket(n) for n in range(1, 8193)]
-    assert chunk_bucket(129) == 160 and chunk_bucket(128) == 128  # was 256 for 129
+    assert chunk_bucket(129) == 144 and chunk_bucket(143) == 144 and chunk_bucket(128) == 128  # was 256, then 160
     assert chunk_bucket(1) == 1 and chunk_bucket(2) == 16  # a single token (a prefix hit's suffix) is not padded
     for n, c in enumerate(padded[1:], start=2):
-        assert c >= n and c % 16 == 0 and c - n <= max(15, c // 5), (n, c)
+        assert c >= n and c % 16 == 0 and c - n <= (15 if n <= 256 else c // 5), (n, c)
     assert padded == sorted(padded)  # monotone
-    for k in range(7, 13):  # (2^(k-1), 2^k]: four lengths
+    assert len({c for c in padded if 128 < c <= 256}) == 8  # multiples of 16 up to 256
+    for k in range(9, 14):  # (2^(k-1), 2^k]: four lengths
         assert len({c for n, c in enumerate(padded, start=1) if 2 ** (k - 1) < n <= 2 ** k}) == 4
 
 

@@ -50,3 +50,42 @@ def test_absorbed_chunk_equals_expanded(monkeypatch, t, s, start):
                                                                 context=context)[0])())
     assert np.abs(expanded).max() > 0.01 and np.isfinite(absorbed).all()
     np.testing.assert_allclose(absorbed, expanded, rtol=2e-5, atol=2e-5)
+
+
+def test_head_major_kv_b_reads_the_same_weights():
+    """``with_head_major_kv_b`` lays wkv_b's halves out per head once; the absorbed products on them equal the ones
+    sliced from wkv_b (fresh random weights and activations), in a decode step's queries and output and in a chunk
+    over cached keys; quantized wkv_b and layers already set are left alone."""
+    params = init_params(CFG, jax.random.key(7), "float32")
+    hm = attention_mla.with_head_major_kv_b(CFG, params)
+    a, ah = params.layers[0].attn, hm.layers[0].attn
+    assert a.kv_b_heads is None and ah.kv_b_heads is not None
+    assert ah.kv_b_heads[0].shape == (CFG.num_heads, CFG.qk_nope_head_dim, CFG.kv_lora_rank)
+    assert ah.kv_b_heads[1].shape == (CFG.num_heads, CFG.kv_lora_rank, CFG.v_head_dim)
+    kq, ko, kx = jax.random.split(jax.random.key(8), 3)
+    q_nope = jax.random.normal(kq, (5, CFG.num_heads, CFG.qk_nope_head_dim), jnp.float32)
+    o_lat = jax.random.normal(ko, (5, CFG.num_heads, CFG.kv_lora_rank), jnp.float32)
+    for fn, arg in ((attention_mla.absorb_query, q_nope), (attention_mla.absorb_output, o_lat)):
+        ref, got = np.asarray(fn(a, CFG, arg)), np.asarray(jax.jit(lambda p, v, f=fn: f(p, CFG, v))(ah, arg))
+        assert np.abs(ref).max() > 0.01
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    x = jax.random.normal(kx, (5, CFG.hidden_size), jnp.float32)
+    positions = jnp.arange(5, dtype=jnp.int32) * 7
+    for ref, got in zip(attention_mla.absorbed_queries(a, CFG, x, positions)[0],
+                        attention_mla.absorbed_queries(ah, CFG, x, positions)[0], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(attention_mla.absorbed_output(ah, CFG, o_lat)),
+                               np.asarray(attention_mla.absorbed_output(a, CFG, o_lat)), rtol=1e-5, atol=1e-5)
+    assert attention_mla.with_head_major_kv_b(CFG, hm).layers[0].attn.kv_b_heads is ah.kv_b_heads
+
+
+def test_decode_workers_lay_kv_b_out_per_head():
+    """The engine's decode worker holds float MLA weights with head-major kv_b (and its step runs on them)."""
+    from phaseserve.config import ServeConfig
+    from phaseserve.engine import Engine, Request
+
+    params = init_params(CFG, jax.random.key(3), "float32")
+    eng = Engine(CFG, params, ServeConfig())
+    assert all(layer.attn.kv_b_heads is not None for layer in eng.decode.params.layers)
+    out = eng.generate([Request(id="a", prompt=[3, 1, 4, 1, 5], max_tokens=4)])
+    assert len(out[0].tokens) == 4 and out[0].finish_reason == "length"
