@@ -63,6 +63,10 @@ CAVEATS = [
     "cached (vLLM's enable_prefix_caching=True, its default; phaseserve's cache.retain_prefixes=true, the race's "
     "override, default off) and serve most prompts from the cache after the first levels: TTFT here measures a "
     "cached prompt's suffix more than a prompt's prefill.",
+    "KV memory: vLLM's VLLM_CPU_KVCACHE_SPACE=1 (GiB); since the fourth session of 2026-12-07 phaseserve's two "
+    "replicas get 512 MiB each (cache.kv_budget_bytes), the same bytes. Its pages hold the MLA latent (1.25 KiB per "
+    "token of the issue's shape against vLLM's expanded per-head K/V, 10 KiB, with VLLM_MLA_DISABLE=1), so they cache "
+    "more of the recurring prompts than vLLM's 87,296 tokens do.",
 ]
 
 
