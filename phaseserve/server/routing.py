@@ -12,8 +12,9 @@ lowest index. The map can be wrong (a replica evicts pages on its own): a wrong 
 wrong token.
 
 ``fill`` (packing at low load): while some replica runs fewer than ``fill`` requests, a new request goes to the first
-such replica, or to the one holding its prefix if that one is already running requests and below the mark; past it
-on every replica, the rule above. Where each replica's step has a large fixed cost (XLA:CPU, where the replicas also
+such replica, or to the one holding its prefix if that one is below the mark and already running requests (or no
+replica runs any: an idle server loses nothing by following the prefix); past the mark on every replica, the rule
+above. Where each replica's step has a large fixed cost (XLA:CPU, where the replicas also
 share the cores), one batch of 7 rows beat two of 3.5 under ``vllm bench serve`` at concurrency 8
 (``benchmarks/vllm_race/profile.md``, 2026-12-07, fourth session): spreading from the first request pays that cost
 twice for the same tokens.
@@ -77,8 +78,8 @@ class Balancer:
         chain = page_chain(req, self.page_size) if self.page_size else []
         held = next((self.owner[h] for h in reversed(chain) if h in self.owner), None)
         below = [j for j in range(len(self.loops)) if self.fill is not None and self.count[j] < self.fill]
-        if below:  # packing: the prefix's replica if it already runs requests below the mark, else the first one
-            i = held if held in below and self.count[held] > 0 else below[0]
+        if below:  # packing: the prefix's replica if it runs requests below the mark (or none runs any), else the first
+            i = held if held in below and (self.count[held] > 0 or self.in_flight == 0) else below[0]
         elif held is not None:
             room = self.capacity is None or self.count[held] < self.capacity
             if room and self.load[held] - self.load[i] <= self.affinity_slack * request_load(req):

@@ -199,6 +199,12 @@ def test_the_balancer_packs_the_first_replica_up_to_fill():
     assert moved.acquire(req(14, shared + [1])) == 0 and moved.acquire(req(15, [4] * 9)) == 1
     moved.release(0, req(14, shared + [1]))
     assert moved.acquire(req(16, shared + [3])) == 0 and moved.affinity_hits == 1  # replica 0 idle, but the first
+    idle = Balancer([object()] * 2, page_size=4, fill=1)
+    held_by_1 = [idle.acquire(x) for x in (req(17, [2] * 9), req(18, shared + [1]))]
+    idle.release(0, req(17, [2] * 9))
+    idle.release(1, req(18, shared + [1]))
+    assert held_by_1 == [0, 1] and idle.in_flight == 0
+    assert idle.acquire(req(19, shared + [5])) == 1  # nothing runs anywhere: the replica holding the prefix
     with pytest.raises(ValueError, match="fill"):
         Balancer([object()] * 2, fill=0)
 
