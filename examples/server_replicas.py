@@ -8,7 +8,10 @@ mesh.replica_devices=shared engine.mode=colocated`` does the same from the comma
 completions are sent at once; the balancer sends a prompt to the replica that holds its cached prefix
 (``phaseserve.server.routing``; these eight share no page) and otherwise spreads them by the tokens each replica has
 in flight. The script checks the streamed text against the replicas' own in-process greedy output and prints
-how many requests each replica served and the server's Prometheus token counter.
+how many requests each replica served and the server's Prometheus token counter. Then it serves the same eight
+again with ``replica_fill=8`` (``experiment.replica_fill=8`` on the command line): the first replica takes requests
+until it runs eight, so all eight go to it (one batch of eight rows, where a step's fixed cost dominates, as on a
+CPU).
 
 Run: ``python examples/server_replicas.py`` (CPU is fine; it simulates 2 devices).
 """
@@ -73,6 +76,16 @@ print("streamed text equals the in-process tokens:", same)
 print("requests per replica:", [len(engine.outputs) for engine in replicas.engines])
 metrics = urllib.request.urlopen(base + "/metrics").read().decode()
 print(next(line for line in metrics.splitlines() if line.startswith("phaseserve:generation_tokens_total")))
+server.should_exit = True
+thread.join(30)
+
+for engine in replicas.engines:
+    engine.reset_metrics()
+app = create_app([EngineBackend(engine) for engine in replicas.engines], tok, MODEL, replica_fill=8)
+server, thread, base = start_in_thread(app)
+packed = asyncio.run(complete_all())
+print("packed (replica_fill=8): same text:", packed == texts,
+      "requests per replica:", [len(engine.outputs) for engine in replicas.engines])
 server.should_exit = True
 thread.join(30)
 replicas.close()

@@ -102,6 +102,7 @@ def test_server_replicas_example_streams_the_in_process_tokens_from_both_replica
     served = json.loads(re.search(r"^requests per replica: (\[.*\])$", out.stdout, re.M).group(1))
     assert sum(served) == 8 and min(served) >= 2, served  # both replicas served (balanced by tokens in flight)
     assert re.search(r"^phaseserve:generation_tokens_total\{[^}]*\} 128\.0$", out.stdout, re.M), out.stdout
+    assert "packed (replica_fill=8): same text: True requests per replica: [8, 0]" in out.stdout, out.stdout
 
 
 def test_replicas_example_matches_one_engine():
