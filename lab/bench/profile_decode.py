@@ -60,7 +60,7 @@ from phaseserve.model.attention_mla import with_head_major_kv_b
 from phaseserve.model.params import init_params, param_count
 
 MODELS = {"default": "configs/model/default_random.yaml", "dsv3-15m": "configs/model/dsv3_15m.yaml",
-          "race": "configs/model/race_tiny.yaml"}
+          "race": "configs/model/race_tiny.yaml", "race-mla512": "configs/model/race_mla512.yaml"}
 COMPONENTS = ["attention", "MoE dispatch", "dense projections", "sampling", "page writes", "integrity", "rest"]
 SCOPES = {"attention": "attention", "moe_dispatch": "MoE dispatch", "sampling": "sampling",
           "page_write": "page writes", "integrity": "integrity"}
