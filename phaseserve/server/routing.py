@@ -14,10 +14,9 @@ wrong token.
 ``fill`` (packing at low load): while some replica runs fewer than ``fill`` requests, a new request goes to the first
 such replica, or to the one holding its prefix if that one is below the mark and already running requests (or no
 replica runs any: an idle server loses nothing by following the prefix); past the mark on every replica, the rule
-above. Where each replica's step has a large fixed cost (XLA:CPU, where the replicas also
-share the cores), one batch of 7 rows beat two of 3.5 under ``vllm bench serve`` at concurrency 8
-(``benchmarks/vllm_race/profile.md``, 2026-12-07, fourth session): spreading from the first request pays that cost
-twice for the same tokens.
+above. Where each replica's step has a large fixed cost (XLA:CPU, where the replicas also share the cores), one
+batch of 7 rows beat two of 3.5 under ``vllm bench serve`` at concurrency 8 (``benchmarks/vllm_race/profile.md``,
+2026-12-07, fourth session): spreading from the first request pays that cost twice for the same tokens.
 
     page chain of a prompt:  h1 = hash(tenant, page 1); h2 = hash(h1, page 2); ...   (full pages only)
 """
