@@ -76,7 +76,7 @@ class Balancer:
         i = min(range(len(self.loops)), key=lambda j: (self.load[j], j))
         chain = page_chain(req, self.page_size) if self.page_size else []
         held = next((self.owner[h] for h in reversed(chain) if h in self.owner), None)
-        below = [j for j in range(len(self.loops)) if self.fill is not None and self.count[j] < self.fill]
+        below = [] if self.fill is None else [j for j, n in enumerate(self.count) if n < self.fill]
         if below:  # packing: the prefix's replica if it runs requests below the mark (or none runs any), else the first
             i = held if held in below and (self.count[held] > 0 or self.in_flight == 0) else below[0]
         elif held is not None:

@@ -12,6 +12,8 @@ from phaseserve.config import ModelConfig
 from phaseserve.model import attention_mla
 from phaseserve.model.params import init_params
 from phaseserve.presets import preset
+from phaseserve.quant.policy import resolve_policy
+from phaseserve.quant.quantize import quantize_params
 
 CFG = ModelConfig.from_hf_config(preset("tiny-mla-moe"))
 
@@ -77,6 +79,21 @@ def test_head_major_kv_b_reads_the_same_weights():
     np.testing.assert_allclose(np.asarray(attention_mla.absorbed_output(ah, CFG, o_lat)),
                                np.asarray(attention_mla.absorbed_output(a, CFG, o_lat)), rtol=1e-5, atol=1e-5)
     assert attention_mla.with_head_major_kv_b(CFG, hm).layers[0].attn.kv_b_heads is ah.kv_b_heads
+    b, t, s = 2, 3, 20  # a chunk of 3 tokens at positions 9..11 over 20 cached latents: the absorbed form
+    kc, kt = jax.random.split(jax.random.key(9))
+    cached = jax.random.normal(kc, (b, s, CFG.kv_lora_rank + CFG.qk_rope_head_dim), jnp.float32)
+    xt = jax.random.normal(kt, (b, t, CFG.hidden_size), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(9, 9 + t, dtype=jnp.int32), (b, t))
+    lengths = jnp.full((b,), 12, jnp.int32)
+    assert attention_mla.absorbed_is_cheaper(CFG, t, s)
+    def context(kv):  # the chunk's latents written over the cache at positions 9..11
+        return cached.at[:, 9:12].set(kv)
+
+    chunk = [np.asarray(attention_mla.forward(w, CFG, xt, pos, lengths, context=context)[0]) for w in (a, ah)]
+    assert np.abs(chunk[0]).max() > 0.01
+    np.testing.assert_allclose(chunk[1], chunk[0], rtol=1e-5, atol=1e-5)
+    fp8 = quantize_params(params, resolve_policy("all-fp8", base="float32"))
+    assert attention_mla.with_head_major_kv_b(CFG, fp8).layers[0].attn.kv_b_heads is None  # quantized: sliced per step
 
 
 def test_decode_workers_lay_kv_b_out_per_head():
