@@ -16,7 +16,9 @@ A/A ratio is reported beside them as the measured noise.
 Fault matrix: each fault of :class:`~lab.faults.FaultInjector` is injected into a live batch (a
 fault hook before the ``inject_at_step``-th decode step, one victim request), with the tracker on and with the
 no-op tracker. Counted for victims only: injected, detected (the victim ends ``aborted`` with a
-``KVIntegrityError``), missed; false positives are other requests aborted. Also recorded: whether a missed
+``KVIntegrityError`` for a bookkeeping fault, or ``error`` with a ``NonFiniteLogitsError`` -- its attention output
+was NaN/inf, zeroed by the guard -- for NaN/inf poisoned into a page), missed; false positives are other requests
+aborted. Also recorded: whether a missed
 fault silently changed the victim's tokens, and whether any other request's tokens differ from the fault-free
 run (collateral damage) -- the harm the check exists to prevent.
 """
@@ -51,6 +53,7 @@ from lab.bench.workload import concurrencies, drive, make_requests, num_requests
 from lab.faults import FaultInjector
 from phaseserve.cache.integrity import KVIntegrityError
 from phaseserve.config_hydra import as_list, load_model, to_container
+from phaseserve.engine.request import NonFiniteLogitsError
 
 FAULTS = ["point_at_free_page", "free_behind", "point_at_other", "point_out_of_range", "double_allocate",
           "poison_data", "poison_scale"]
@@ -213,7 +216,9 @@ def _trial(eng, reqs, ref, kind, victim, other, step, tracker, t) -> dict:
         eng.fault_hooks[:] = []
     outs = eng.outputs
     v = outs.get(victim)
-    detected = v is not None and v.finish_reason == "aborted" and isinstance(v.error, KVIntegrityError)
+    detected = v is not None and ((v.finish_reason == "aborted" and isinstance(v.error, KVIntegrityError))
+                                  or (v.finish_reason == "error" and isinstance(v.error, NonFiniteLogitsError)
+                                      and v.error.where == "attention"))  # the guard's catch (not the logits')
     others = [r.id for r in reqs if r.id != victim and r.id in outs]
     leaked = eng.num_pages - 1 - eng.allocator.num_free if not eng.has_work else -1
     try:
@@ -228,7 +233,7 @@ def _trial(eng, reqs, ref, kind, victim, other, step, tracker, t) -> dict:
         false_positives=[r for r in others if outs[r].finish_reason == "aborted"],
         others_changed=[r for r in others if outs[r].finish_reason != "aborted" and outs[r].tokens != ref[r]],
         leaked_pages=max(leaked, 0), invariants_ok=invariants,
-        error_kind=getattr(v.error, "kind", None) if detected else None)
+        error_kind=getattr(v.error, "kind", "nonfinite") if detected else None)
     # a missed fault can leave stale bytes in freed pages, but every position is written before it is read; the
     # fault-free rerun after the matrix checks that (clean_after_matrix). Broken bookkeeping means a rebuild.
     rec["state_damaged"] = bool(rec["error"] or leaked != 0 or not invariants)

@@ -233,7 +233,7 @@ def profile_point(cfg: ModelConfig, batch: int, *, steps: int = 5, top: int = 0,
     def run() -> float:
         t0 = time.perf_counter()
         ok = check(*args)
-        nxt, state["pool"], _, _ = step(s["params"], state["pool"], s["batch"], ok)
+        nxt, state["pool"], _ = step(s["params"], state["pool"], s["batch"], ok)
         nxt.block_until_ready()
         return (time.perf_counter() - t0) * 1e3
 
@@ -252,14 +252,14 @@ def pool_growth(cfg: ModelConfig, batch: int, *, factor: int = 100, repeats: int
         ok = jnp.ones(batch, bool)
         pool = s["pool"]
         for _ in range(2):
-            nxt, pool, _, _ = step(s["params"], pool, s["batch"], ok)
+            nxt, pool, _ = step(s["params"], pool, s["batch"], ok)
             nxt.block_until_ready()
         arms[f] = [s, step, pool, ok, []]
     for _ in range(repeats):
         for arm in arms.values():
             s, step, pool, ok, times = arm
             t0 = time.perf_counter()
-            nxt, arm[2], _, _ = step(s["params"], pool, s["batch"], ok)
+            nxt, arm[2], _ = step(s["params"], pool, s["batch"], ok)
             nxt.block_until_ready()
             times.append((time.perf_counter() - t0) * 1e3)
     out = {f"{f}x": {"pages": arm[0]["num_pages"], "median_ms": float(np.median(arm[4])),

@@ -14,7 +14,8 @@ Integrity hooks come from the tracker object and are consumed on device: rows wh
 page in their table and write nothing (``mask_table`` / ``mask_rows``); their length is 0, so they attend over
 nothing and read zeros. ``guard`` flags rows whose attention output is not finite, accumulated over the layers in
 :attr:`PagedAttend.finite`, and ``computed`` rows whose own new KV (this step's, before it is written) is not
-(:attr:`PagedAttend.computed`): such a row overflowed in the model, so its non-finite read is not a cache fault.
+(:attr:`PagedAttend.computed`): such a row overflowed before attention (its logits are made NaN). Neither is a
+cache fault: the decode step ends both with a non-finite sentinel token, never a KV integrity failure.
 With ``tracker=None`` none of this code is traced; the :class:`NoopTracker`'s hooks are
 identities, so it traces to the same jaxpr (tested).
 

@@ -5,8 +5,8 @@ Per decode step the engine does::
     pt, expected, live = tables.batch(rids)                      # host numpy (PageTables, allocator.py)
     pt_dev = jax.device_put(pt, decode_sharding)                 # once: both launches read the same copy
     ok = tracker.check(pt_dev, expected, live)                   # separate jitted launch -> bool[B] on device
-    out, finite = decode_step(..., pt_dev, ok)                   # ok consumed on device, no host round trip
-    errors = tracker.failures(rids, ok, finite, (pt, expected, live))   # host, after the step's tokens arrive
+    out = decode_step(..., pt_dev, ok)                           # ok consumed on device, no host round trip
+    errors = tracker.failures(rids, ok, (pt, expected, live))    # host, after the step's tokens arrive
 
 ``check`` first pushes the allocator's pending tag changes to the device tag array ``u32[num_pages]`` (one small
 transfer, padded to a power-of-two bucket so it compiles a handful of times), then computes for every row
@@ -16,18 +16,22 @@ page given to two requests (the first holder's tag is overwritten), or an out-of
 
 Inside the jitted step the tracker's hooks consume ``ok``: :meth:`IntegrityTracker.mask_table` points failing
 rows' page tables at the null page (so they read nothing of anyone's), :meth:`~IntegrityTracker.mask_rows` makes
-them write nothing, and :meth:`~IntegrityTracker.guard` turns NaN/inf read from a page into a per-row flag.
+them write nothing, and :meth:`~IntegrityTracker.guard` turns a non-finite attention output into a per-row flag.
 
-NaN/inf detection (decision). Tags cannot see corrupted *contents*. Checking every live page's data before the
+NaN/inf containment (decision). Tags cannot see corrupted *contents*. Checking every live page's data before the
 step would read the whole cache twice, and checking only the FP8 scales misses NaN bytes in the data (e4m3fn has
-NaN encodings) and BF16 pages entirely. Instead the step checks what it actually read: ``guard`` reduces each
+NaN encodings) and BF16 pages entirely. Instead the step checks what it actually computed: ``guard`` reduces each
 layer's attention output ``[B, ...]`` to ``finite bool[B]`` (a few elements per row, nothing next to the KV
 read) and zeroes non-finite rows so they cannot spread through batched ops (MoE dispatch). Non-finite values at
-positions a row reads surface in that row's attention output in the very step they are first read; the write
-path never produces them from finite input (``paged.quantize_kv``). The host reports such rows as
-``KVIntegrityError(kind="nonfinite")``; their pages should be scrubbed (``paged.clear_pages``) before release.
-Attention implementations must mask positions past a row's length with ``where`` (not by multiplying with a
-zero probability), since a freshly reused page may still hold another request's stale bytes there.
+positions a row reads surface in that row's attention output in the very step they are first read; so does an
+overflow of the attention scores over pages that hold finite values (a model fault: a norm weight of 1e30, say).
+The two cannot be told apart from the output, so such a row is *not* an integrity failure: the decode step gives
+it the sentinel token ``engine.sampling.NONFINITE_ATTENTION`` and the engine ends it with
+``NonFiniteLogitsError``; its pages are scrubbed (``paged.clear_pages``) before release. A
+:class:`KVIntegrityError` means one thing only: the row's page-tag or range check failed, so the signal that
+counts integrity aborts never fires on a model's overflow. Attention implementations must mask positions past a
+row's length with ``where`` (not by multiplying with a zero probability), since a freshly reused page may still
+hold another request's stale bytes there.
 
 :class:`NoopTracker` has the same interface and adds nothing: ``check`` returns ``None`` without a launch and
 the hooks return their inputs, so a decode step built with it traces to the same jaxpr as one built without.
@@ -53,7 +57,7 @@ class KVIntegrityError(RuntimeError):
         super().__init__(f"KV integrity failure for request {request_id!r} ({kind}): {details}")
         self.request_id = request_id
         self.details = details
-        self.kind = kind  # "tag" | "range" | "nonfinite"
+        self.kind = kind  # "tag" | "range"
 
     def __reduce__(self):  # picklable (it crosses process boundaries from a remote decode worker)
         return (KVIntegrityError, (self.request_id, self.details, self.kind))
@@ -175,25 +179,17 @@ class IntegrityTracker:
         return f if finite is None else finite & f
 
     # ---- device -> host ------------------------------------------------------------------------------------
-    def failures(self, request_ids: list[str | None], ok, finite=None,
+    def failures(self, request_ids: list[str | None], ok,
                  batch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, KVIntegrityError]:
-        """Typed errors for failing rows (``None`` ids are padding and ignored). ``batch`` = the check's inputs,
-        used only to explain a failure (which entry, which page, which tags)."""
+        """Typed errors for the rows whose page-tag check failed (``None`` ids are padding and ignored). ``batch`` =
+        the check's inputs, used only to explain a failure (which entry, which page, which tags)."""
         ok = np.asarray(ok)
-        fin = np.ones_like(ok) if finite is None else np.asarray(finite)
-        bad = [i for i, r in enumerate(request_ids) if r is not None and not (ok[i] and fin[i])]
+        bad = [i for i, r in enumerate(request_ids) if r is not None and not ok[i]]
         if not bad:
             return {}
         dev = np.asarray(self.tags)
-        out = {}
-        for i in bad:
-            rid = request_ids[i]
-            if not ok[i]:
-                kind, details = self._explain(i, dev, batch)
-            else:
-                kind, details = "nonfinite", "NaN/inf read from the request's pages"
-            out[rid] = KVIntegrityError(rid, details, kind)
-        return out
+        return {request_ids[i]: KVIntegrityError(request_ids[i], *reversed(self._explain(i, dev, batch)))
+                for i in bad}
 
     def _explain(self, row: int, dev: np.ndarray, batch) -> tuple[str, str]:
         if batch is None:
@@ -251,5 +247,5 @@ class NoopTracker:
     def computed(kv: Any, finite: None) -> None:
         return finite
 
-    def failures(self, request_ids, ok, finite=None, batch=None) -> dict[str, KVIntegrityError]:
+    def failures(self, request_ids, ok, batch=None) -> dict[str, KVIntegrityError]:
         return {}

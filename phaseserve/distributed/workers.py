@@ -249,7 +249,7 @@ class RemoteDecode(RemoteWorker):
         ahead of a remote call)."""
         batch, check = decode_inputs(self.tables, rows)
         nxt, failures, device_s, lps = self._run(batch, check, [s.id for s in rows])
-        scrub_after_step(self, rows, nxt, failures)
+        scrub_after_step(self, rows, nxt)
         return np.asarray(nxt)[: len(rows)], failures, device_s, lps
 
     def _run(self, batch: Any, check: tuple, ids: list[str]) -> tuple:

@@ -80,6 +80,7 @@ from phaseserve.engine.request import (
     CancelledError,
     Limits,
     Logprob,
+    NonFiniteLogitsError,
     Request,
     RequestOutput,
     Sequence,
@@ -88,7 +89,7 @@ from phaseserve.engine.request import (
     open_request,
     stop_reason,
 )
-from phaseserve.engine.sampling import NONFINITE_TOKEN
+from phaseserve.engine.sampling import NONFINITE_ATTENTION, is_nonfinite
 from phaseserve.engine.scheduler import Chunk, Scheduler
 from phaseserve.engine.shapes import bucket
 from phaseserve.engine.workers import Launched, PhaseWorkers, local_workers
@@ -263,6 +264,7 @@ class Engine:
             self.metrics.aborts += 1
         elif reason == "error":
             self.metrics.errors += 1
+            self.metrics.nonfinite += isinstance(error, NonFiniteLogitsError)
 
     def _fail(self, seqs: list[Sequence], err: Exception) -> None:
         """End ``seqs`` (those still in flight) with ``finish_reason="error"`` and ``err``; their pages go back."""
@@ -274,8 +276,9 @@ class Engine:
         """Append a generated token (and its logprob, when the request asked), record timing, finish on stop /
         length (on non-finite logits: an error, and nothing appended)."""
         out = seq.output
-        if token == NONFINITE_TOKEN:
-            self._finish(seq, "error", nonfinite_logits(seq.id, len(out.tokens)))
+        if is_nonfinite(token):
+            where = "attention" if token == NONFINITE_ATTENTION else "logits"
+            self._finish(seq, "error", nonfinite_logits(seq.id, len(out.tokens), where))
             return
         seq.tokens.append(token)
         if out.logprobs is not None:
@@ -520,7 +523,7 @@ class Engine:
                     self._hand_off([d], events)
             return
         for s, tok, lp in done:
-            if tok == NONFINITE_TOKEN:  # the KV it computed may hold NaN: its private pages in both pools (not a
+            if is_nonfinite(tok):  # the KV it computed may hold NaN: its private pages in both pools (not a
                 # shared prefix it reused) are zeroed before they are freed, and never offered as prefix hits
                 self.prefill.scrub(self.prefill.tables.owned(s.id))
                 private = self.tables.owned(s.id)[s.shared_pages:]
@@ -528,7 +531,7 @@ class Engine:
                 self.decode.scrub(private)
             self.scheduler.prefilled(s)
             self._joining.add(s.id)  # a new decode row: joins the step after a pending step ahead
-            if tok != NONFINITE_TOKEN:
+            if not is_nonfinite(tok):
                 self.scheduler.register_prefix(s)
             if s.num_prompt == len(s.tokens):  # fresh prompt: its first output token comes from prefill
                 self._emit(s, tok, events, lp)

@@ -40,8 +40,9 @@ class RunMetrics:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
-    aborts: int = 0
+    aborts: int = 0  # requests aborted by a failed page-tag check (KVIntegrityError)
     errors: int = 0
+    nonfinite: int = 0  # of the errors: NaN/inf logits or attention output (NonFiniteLogitsError)
     integrity_checks: int = 0
     peak_running: int = 0
     peak_pages_in_use: int = 0
@@ -87,6 +88,7 @@ class RunMetrics:
             "completed": len(done),
             "aborted": self.aborts,
             "errors": self.errors,
+            "nonfinite_errors": self.nonfinite,
             "wall_s": wall,
             "output_tokens": out_tokens,
             "output_tok_per_s": out_tokens / wall,

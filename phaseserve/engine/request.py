@@ -69,13 +69,26 @@ class CancelledError(RequestError):
 
 
 class NonFiniteLogitsError(RuntimeError):
-    """The model's logits for this request were NaN or inf (an overflow in its activations, not a bad request and not
-    a KV-cache fault); the request ends with ``finish_reason="error"`` and no token from that step."""
+    """NaN or inf reached this request's next token: its logits (an overflow in the model's activations: a norm whose
+    mean square overflows makes its row NaN, ``model.layers.rms_norm``) or, with the integrity check on, a decode
+    step's attention output (the scores overflowed, or NaN/inf was read from the pages; the guard zeroed the row so
+    that it cannot spread through the batch). Not a bad request, and not a page-tag failure (that is
+    :class:`~phaseserve.cache.integrity.KVIntegrityError`). The request ends with ``finish_reason="error"`` and no
+    token from that step. ``where``: ``"logits"`` or ``"attention"``."""
+
+    def __init__(self, message: str, where: str = "logits"):
+        super().__init__(message)
+        self.where = where
+
+    def __reduce__(self):  # picklable with its field (it crosses process boundaries)
+        return (NonFiniteLogitsError, (str(self), self.where))
 
 
-def nonfinite_logits(request_id: str, num_generated: int) -> NonFiniteLogitsError:
-    return NonFiniteLogitsError(f"request {request_id!r}: non-finite logits for output token {num_generated} (an "
-                                f"overflow in the model); nothing was emitted for it")
+def nonfinite_logits(request_id: str, num_generated: int, where: str = "logits") -> NonFiniteLogitsError:
+    what = ("non-finite logits" if where == "logits" else
+            "non-finite attention output (the scores overflowed, or NaN/inf was read from its pages)")
+    return NonFiniteLogitsError(f"request {request_id!r}: {what} for output token {num_generated} (an overflow in the "
+                                f"model); nothing was emitted for it", where)
 
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's top_logprobs bound)

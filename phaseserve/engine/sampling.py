@@ -6,8 +6,10 @@ When every row is greedy (``temperature == 0``) the step runs only the argmax: t
 the draws sit behind a ``lax.cond`` that is not taken.
 
 A row whose logits are not all finite (an overflow in the model: NaN or inf) samples :data:`NONFINITE_TOKEN` instead
-of a token (``argmax`` of NaN logits is token 0, which used to go out as a real token); the host ends that request
-with :class:`~phaseserve.engine.request.NonFiniteLogitsError` and emits nothing for it.
+of a token (``argmax`` of NaN logits is token 0, which used to go out as a real token); a decode row whose attention
+output the integrity guard found non-finite (and zeroed, so that it cannot spread through the batch) gets
+:data:`NONFINITE_ATTENTION` from the decode step. The host ends either request with
+:class:`~phaseserve.engine.request.NonFiniteLogitsError` and emits nothing for it (:func:`is_nonfinite`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import jax
 import jax.numpy as jnp
 
 NONFINITE_TOKEN = -1  # sampled for a row whose logits are not all finite: never a token id
+NONFINITE_ATTENTION = -2  # a decode row whose attention output was NaN/inf (the integrity guard zeroed it)
+
+
+def is_nonfinite(token: int) -> bool:
+    """Whether a step's token for a row is one of the non-finite sentinels (never a token id)."""
+    return token < 0
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seeds: jax.Array,

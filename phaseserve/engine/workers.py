@@ -7,7 +7,7 @@ Ray actors: ``phaseserve.distributed``): each owns one phase's weights-on-mesh a
 - :class:`DecodeWorker`: the decode cache (page pool on the decode mesh, allocator, page tables, integrity tracker)
   and its jitted steps: :meth:`~DecodeWorker.land` writes handed-over whole pages into a request's pages,
   :meth:`~DecodeWorker.step` runs one integrity-checked decode step for a list of running sequences and returns the
-  next tokens plus the typed failures (pages of rows that read NaN/inf are scrubbed before anyone releases them);
+  next tokens plus the typed page-tag failures (pages of rows that overflowed are scrubbed before anyone releases them);
   with ``lookahead`` it launches the next step before reading this one's tokens (:class:`Ahead`), so the host's
   work between two steps overlaps the device's;
   :meth:`~DecodeWorker.swap_out` / :meth:`~DecodeWorker.swap_in` copy pages to host memory and back, bit for bit
@@ -49,7 +49,7 @@ from phaseserve.engine.decode_step import DecodeBatch, decode_step
 from phaseserve.engine.handoff import export_paged, export_pages, import_paged, import_pages
 from phaseserve.engine.prefill_step import ChunkBatch, chunk_step
 from phaseserve.engine.request import MAX_LOGPROBS, Limits, Sequence
-from phaseserve.engine.sampling import NONFINITE_TOKEN
+from phaseserve.engine.sampling import NONFINITE_ATTENTION, NONFINITE_TOKEN
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import bucket, cache_pages, chunk_groups, decode_shapes, prefill_pages, prefill_shapes
 from phaseserve.kernel_mesh import KernelDispatch
@@ -79,14 +79,14 @@ def chunk_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any
 def decode_step_jit(cfg: ModelConfig, mesh: jax.sharding.Mesh, pool_sharding: Any, *, hooks: Any = None,
                     matmul_impl: str = "auto", attn_impl: str = "auto", log: collections.Counter | None = None) -> Any:
     """The decode worker's jitted step on ``mesh`` (pool donated): ``(params, pool, DecodeBatch, ok bool[B] | None)
-    -> (next i32[B], pool', finite bool[B] | None, logprobs)``; ``hooks``: the integrity tracker (its hooks are static
+    -> (next i32[B], pool', logprobs)``; ``hooks``: the integrity tracker (its hooks are static
     methods, so the class :class:`~phaseserve.cache.integrity.IntegrityTracker` itself serves for tracing) or None.
     Built from shardings only, like :func:`chunk_step_jit`."""
     rep, top = replicated(mesh), top_logprobs_k(cfg)
     dispatch = KernelDispatch(mesh, matmul_impl, attn_impl, phase="decode", log=log)
     return jax.jit(sharded_step(
         lambda p, pool, b, ok, kd: decode_step(p, cfg, pool, b, ok, tracker=hooks, kd=kd, top=top), cfg, dispatch),
-        out_shardings=(rep, pool_sharding, rep, rep), donate_argnums=(1,))
+        out_shardings=(rep, pool_sharding, rep), donate_argnums=(1,))
 
 
 def scrub_pages(worker: Any, pages: list[int]) -> None:
@@ -97,11 +97,12 @@ def scrub_pages(worker: Any, pages: list[int]) -> None:
 
 
 def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt: np.ndarray,
-                   failures: dict[str, KVIntegrityError], ahead: bool = False) -> list[int]:
-    """After a decode step: the pages that may hold NaN/inf (every page of a row that read them; the page of this
-    step's token of a row that produced them, and with ``ahead`` -- a next step launched before these tokens were
-    read -- the page of its position too), to be zeroed before anyone releases them."""
-    scrub = [p for rid, e in failures.items() if e.kind == "nonfinite" for p in tables.owned(rid)]
+                   ahead: bool = False) -> list[int]:
+    """After a decode step: the pages that may hold NaN/inf (every page of a row whose attention output was NaN/inf,
+    since it may have read them; the page of this step's token of a row whose logits were, and with ``ahead`` -- a
+    next step launched before these tokens were read -- the page of its position too), to be zeroed before anyone
+    releases them."""
+    scrub = [p for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_ATTENTION for p in tables.owned(s.id)]
     # a row that overflowed wrote NaN only into the page of this step's token (never a shared prompt page)
     for s, tok in zip(rows, nxt, strict=False):
         if tok == NONFINITE_TOKEN:
@@ -111,11 +112,10 @@ def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt
     return list(dict.fromkeys(scrub))
 
 
-def scrub_after_step(worker: Any, rows: list[Sequence], nxt: np.ndarray, failures: dict[str, KVIntegrityError],
-                     ahead: bool = False) -> None:
+def scrub_after_step(worker: Any, rows: list[Sequence], nxt: np.ndarray, ahead: bool = False) -> None:
     """A decode worker's host half after a step: :func:`pages_to_scrub` zeroed in its pool (before any release) and
     forgotten by its allocator, so no prefix hit revives them once they are free."""
-    pages = pages_to_scrub(worker.tables, worker.page_size, rows, nxt, failures, ahead)
+    pages = pages_to_scrub(worker.tables, worker.page_size, rows, nxt, ahead)
     worker.tables.allocator.forget(pages)
     worker.scrub(pages)
 
@@ -259,7 +259,7 @@ class PrefillWorker:
 
 class Pending(NamedTuple):
     """A decode step launched (:meth:`DecodeWorker.launch`): its padded host inputs, the integrity check's inputs,
-    and its device outputs ``(next, ok, finite, logprobs)``."""
+    and its device outputs ``(next, ok, logprobs)``."""
 
     batch: DecodeBatch
     check: tuple
@@ -438,7 +438,7 @@ class DecodeWorker:
         device_s = time.perf_counter() - t0
         if self._ahead is not None:
             self._ahead = self._ahead.known(nxt)
-        scrub_after_step(self, rows, nxt, failures, ahead=self._ahead is not None)
+        scrub_after_step(self, rows, nxt, ahead=self._ahead is not None)
         return nxt[: len(rows)], failures, device_s, lps
 
     def run_batch(self, batch: DecodeBatch, check: tuple, ids: list[str], exact: bool = False,
@@ -459,16 +459,16 @@ class DecodeWorker:
             batch, check = pad_decode_inputs(batch, check, *use)
         ok = self.tracker.check(*check)
         step = self.steps.executable(use, (self.params, self.pool, batch, ok))
-        nxt, self._pool, finite, lps = step(self.params, self._pool, batch, ok)
-        return Pending(batch, check, (nxt, ok, finite, lps))
+        nxt, self._pool, lps = step(self.params, self._pool, batch, ok)
+        return Pending(batch, check, (nxt, ok, lps))
 
     def fetch(self, p: Pending, ids: list[str]) -> tuple[np.ndarray, dict, Any]:
         """A launched step waited for: (next tokens i32[B], failures by id, logprob arrays or None)."""
-        nxt, ok, finite, lps = p.out
+        nxt, ok, lps = p.out
         lps = lps if p.batch.want_logprobs.any() else None
-        nxt, ok_h, finite_h, lps = jax.device_get((nxt, ok, finite, lps))
+        nxt, ok_h, lps = jax.device_get((nxt, ok, lps))
         b = len(p.batch.tokens)
-        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, finite_h, p.check)
+        failures = self.tracker.failures(ids + [None] * (b - len(ids)), ok_h, p.check)
         return np.asarray(nxt), failures, lps
 
     def _launch_ahead(self, p: Pending, ids: list[str], rows: list[Sequence]) -> Ahead | None:

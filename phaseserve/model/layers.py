@@ -4,7 +4,10 @@ Pure functions of (params, config, arrays).
 
 Numerics follow Hugging Face transformers: norms are computed in float32 and cast back before the
 weight multiply; softmax runs in float32; RoPE cos/sin are computed in float32 and cast to the
-activation dtype.
+activation dtype. One departure, for overflows only: where a row's mean square overflows float32 (activations
+past ~1.8e19), transformers' RMSNorm returns zeros (x / inf) and the model goes on to finite, meaningless logits;
+here that row becomes NaN, so the overflow reaches the logits and the engine ends the request with
+``NonFiniteLogitsError`` instead of emitting a token.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from phaseserve.qarrays import dense
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [..., D], w [D] -> [..., D] (HF: normalise in f32, cast, then scale)."""
+    """x [..., D], w [D] -> [..., D] (HF: normalise in f32, cast, then scale; a row whose mean square is not finite
+    comes out NaN, not HF's zeros: module docstring)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = jnp.where(jnp.isfinite(ms), xf * jax.lax.rsqrt(ms + eps), jnp.nan)
     return w.astype(x.dtype) * xf.astype(x.dtype)
 
 

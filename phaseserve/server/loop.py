@@ -37,7 +37,7 @@ from typing import Any
 from phaseserve.engine import Request, RequestOutput
 
 KEEP_FINISHED = 1024  # finished outputs a served engine keeps (Engine.keep_finished)
-TOTALS = ("preemptions", "integrity_aborts", "prefix_lookup_pages", "prefix_hit_pages")
+TOTALS = ("preemptions", "integrity_aborts", "nonfinite_errors", "prefix_lookup_pages", "prefix_hit_pages")
 
 
 class EngineBackend:
@@ -88,6 +88,7 @@ class EngineBackend:
     def _totals(self) -> dict[str, int]:
         e = self.engine
         return {"preemptions": e.metrics.preemptions, "integrity_aborts": e.metrics.aborts,
+                "nonfinite_errors": e.metrics.nonfinite,
                 "prefix_lookup_pages": e.scheduler.lookup_pages, "prefix_hit_pages": e.scheduler.hit_pages}
 
     def stats(self) -> dict[str, float]:

@@ -14,7 +14,9 @@ behind one endpoint -- each reports as its own ``source`` and these are the sums
 - gauges ``phaseserve:num_requests_running``, ``phaseserve:num_requests_waiting``, ``phaseserve:kv_pages_used``,
   ``phaseserve:kv_pages_free``, ``phaseserve:prefix_cache_hit_rate`` (hit pages / looked-up pages since start);
 - counters ``phaseserve:num_preemptions_total``, ``phaseserve:integrity_aborts_total`` (requests ended by a failed
-  page-tag check), ``phaseserve:prefix_cache_queries_total`` / ``phaseserve:prefix_cache_hits_total`` (pages).
+  page-tag check, and nothing else), ``phaseserve:nonfinite_errors_total`` (requests ended by NaN/inf in the model's
+  logits or attention output: ``NonFiniteLogitsError``, a model fault), ``phaseserve:prefix_cache_queries_total`` /
+  ``phaseserve:prefix_cache_hits_total`` (pages).
 
 The metrics vLLM also exports are written a second time under its ``vllm:`` prefix (:data:`VLLM_NAMES`:
 requests running / waiting, TTFT, TPOT, e2e latency, request success by reason, prompt / generation tokens,
@@ -37,6 +39,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 GAUGES = {"running": "num_requests_running", "waiting": "num_requests_waiting", "kv_pages_used": "kv_pages_used",
           "kv_pages_free": "kv_pages_free"}
 COUNTERS = {"preemptions": "num_preemptions", "integrity_aborts": "integrity_aborts",
+            "nonfinite_errors": "nonfinite_errors",
             "prefix_lookup_pages": "prefix_cache_queries", "prefix_hit_pages": "prefix_cache_hits"}
 
 

@@ -16,7 +16,8 @@ import phaseserve as ps
 from lab.faults import FaultInjector
 from phaseserve.cache.allocator import PageAllocator, PageTables
 from phaseserve.cache.integrity import KVIntegrityError
-from phaseserve.engine.sampling import NONFINITE_TOKEN
+from phaseserve.engine.request import NonFiniteLogitsError
+from phaseserve.engine.sampling import NONFINITE_ATTENTION, NONFINITE_TOKEN
 from phaseserve.engine.workers import pages_to_scrub
 from tests.e2e.engine_utils import make_checkpoint, random_requests, serve_config
 
@@ -164,7 +165,10 @@ def test_fault_between_two_steps_ends_only_the_victim(model, fault_run, kind):
     assert seen["ahead"]  # a step was launched ahead when the fault came
     assert eng.decode.lookahead_stats["dropped"] > seen["dropped"]
     victim = outs["r1"]
-    assert victim.finish_reason == "aborted" and isinstance(victim.error, KVIntegrityError)
+    if kind == "poison_data":  # NaN read from a page: a non-finite attention output, not a page-tag failure
+        assert victim.finish_reason == "error" and isinstance(victim.error, NonFiniteLogitsError)
+    else:
+        assert victim.finish_reason == "aborted" and isinstance(victim.error, KVIntegrityError)
     assert len(victim.tokens) == seen["tokens"]  # caught in the step the host launched after the fault
     assert victim.tokens == ref["r1"][: len(victim.tokens)]
     for rid in ("r0", "r2", "r3"):
@@ -181,11 +185,13 @@ def test_pages_a_step_ahead_may_have_written_are_scrubbed():
     owned = tables.allocate("a", 3)
     row = types.SimpleNamespace(id="a", next_position=7)  # page size 4: position 7 ends page 1, 8 starts page 2
     nxt = np.array([NONFINITE_TOKEN], np.int32)
-    assert pages_to_scrub(tables, 4, [row], nxt, {}) == [owned[1]]
-    assert pages_to_scrub(tables, 4, [row], nxt, {}, ahead=True) == [owned[1], owned[2]]
+    assert pages_to_scrub(tables, 4, [row], nxt) == [owned[1]]
+    assert pages_to_scrub(tables, 4, [row], nxt, ahead=True) == [owned[1], owned[2]]
     row.next_position = 5  # both positions in page 1
-    assert pages_to_scrub(tables, 4, [row], nxt, {}, ahead=True) == [owned[1]]
-    assert pages_to_scrub(tables, 4, [row], np.array([3], np.int32), {}, ahead=True) == []
+    assert pages_to_scrub(tables, 4, [row], nxt, ahead=True) == [owned[1]]
+    assert pages_to_scrub(tables, 4, [row], np.array([3], np.int32), ahead=True) == []
+    # a row whose attention output was NaN/inf may have read it from any of its pages: all of them
+    assert pages_to_scrub(tables, 4, [row], np.array([NONFINITE_ATTENTION], np.int32)) == owned
 
 
 def test_decode_lookahead_must_be_a_bool():

@@ -1,6 +1,8 @@
-"""End-to-end integrity: each fault of ``FaultInjector`` injected into a live decode batch ends only the victim
-(``aborted`` with a ``KVIntegrityError``, in the very step it would first read the bad page); every other request's
-tokens equal the fault-free run's, and after draining no page is leaked."""
+"""End-to-end integrity: each fault of ``FaultInjector`` injected into a live decode batch ends only the victim, in
+the very step it would first read the bad page: a bookkeeping fault (the page-tag or range check fails) as
+``aborted`` with a ``KVIntegrityError``, NaN/inf poisoned into a page as ``error`` with a ``NonFiniteLogitsError``
+(``where="attention"``: the guard zeroed its attention output; not counted as an integrity abort). Every other
+request's tokens equal the fault-free run's, and after draining no page is leaked."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import phaseserve as ps
 from lab.faults import FaultInjector
 from phaseserve.cache.integrity import KVIntegrityError
+from phaseserve.engine.request import NonFiniteLogitsError
 from tests.e2e.engine_utils import F32, make_checkpoint, random_requests, serve_config
 
 FP8_KV = dataclasses.replace(F32, kv_dtype="float8_e4m3fn")
@@ -71,14 +74,19 @@ def test_fault_aborts_only_the_victim(setup, kind):
     cfg, params, reqs, ref = setup
     eng, outs, steps = _run(cfg, params, reqs, _inject(kind))
     victim = outs[VICTIM]
-    assert victim.finish_reason == "aborted", (kind, victim.finish_reason)
-    assert isinstance(victim.error, KVIntegrityError)
+    poison = kind.startswith("poison")
+    assert victim.finish_reason == ("error" if poison else "aborted"), (kind, victim.finish_reason)
+    if poison:
+        assert isinstance(victim.error, NonFiniteLogitsError) and victim.error.where == "attention", victim.error
+    else:
+        assert isinstance(victim.error, KVIntegrityError)
     assert len(victim.tokens) == steps["tokens_at_injection"]  # caught in the step that would read it
     assert victim.tokens == ref[VICTIM][: len(victim.tokens)]
     for rid, o in outs.items():
         if rid != VICTIM:
             assert o.finish_reason == "length" and o.tokens == ref[rid], (kind, rid)
-    assert eng.summary()["aborted"] == 1
+    summary = eng.summary()
+    assert (summary["aborted"], summary["nonfinite_errors"]) == ((0, 1) if poison else (1, 0))
     assert eng.allocator.num_free == eng.num_pages - 1  # drained: nothing leaked
     eng.check_invariants()
 

@@ -10,6 +10,8 @@ left in a masked key slot of a reused page reaches the next owner's attention ou
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,3 +88,95 @@ def test_overflow_in_decode_ends_the_request_with_the_tokens_before_it(model, in
     assert engine.metrics.aborts == 0
     assert outs["other"].error is None and len(outs["other"].tokens) == 4
     assert all(bool(jnp.all(jnp.isfinite(paged.as_values(a)))) for a in jax.tree.leaves(engine.decode.pool))
+
+
+# ---- issue 61: an overflow in the attention scores of a checkpoint that loads without complaint --------------------
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    """The shipped default model with layer 0's ``kv_a_layernorm`` scaled by 1e30, saved as a checkpoint: it loads
+    (every stored value is finite), its pages hold finite values, and its activations overflow (the attention
+    scores and the next layer's mean square). Before the fix: with the integrity check off the request ended with
+    token 0 emitted (transformers' RMSNorm turns the overflow into zeros, whose argmax is 0); with it on, as a
+    ``KVIntegrityError`` counted as an integrity abort."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lab.eval.demo import default_model_path
+
+    src, dst = default_model_path(), tmp_path_factory.mktemp("overflow")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.0.self_attn.kv_a_layernorm.weight"
+    tensors[name] = (tensors[name].float() * 1e30).to(tensors[name].dtype)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return ps.load_checkpoint(dst, dtype="float32")
+
+
+MODES = {  # name -> (mode, integrity, attention implementation, decode lookahead, prefill tokens per step)
+    "colocated-integrity-reference": ("colocated", True, "reference", True, 2048),
+    "disaggregated-integrity-pallas": ("disaggregated", True, "pallas", True, 2048),
+    "disaggregated-chunked-no-lookahead": ("disaggregated", False, "reference", False, 8),
+    "colocated-chunked-pallas": ("colocated", False, "pallas", True, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_an_attention_overflow_emits_nothing_and_is_no_integrity_abort(overflowing, name):
+    cfg, params = overflowing
+    mode, integrity, attn, lookahead, chunk = MODES[name]
+    serve = serve_config(mode, num_pages=64, integrity=integrity, decode_lookahead=lookahead,
+                         max_prefill_tokens=chunk)
+    engine = ps.Engine(cfg, params, serve, attn_impl=attn)
+    rng = np.random.default_rng(5)
+    reqs = [Request(id=f"r{i}", prompt=[int(t) for t in rng.integers(0, 256, n)], max_tokens=5, ignore_eos=True)
+            for i, n in enumerate((3, 13, 21))]  # 13 and 21 tokens: several chunks of 8 where chunked
+    outs = engine.generate(reqs)
+    for o in outs:
+        assert o.finish_reason == "error" and isinstance(o.error, NonFiniteLogitsError), (o.id, o.error)
+        assert o.tokens == [], (o.id, o.tokens)  # token 0 used to go out here
+    summary = engine.summary()
+    assert (summary["aborted"], summary["errors"], summary["nonfinite_errors"]) == (0, 3, 3)
+    assert engine.allocator.num_free == engine.num_pages - 1  # nothing leaked
+    for pool in (engine.prefill.pool, engine.decode.pool):
+        assert all(bool(jnp.all(jnp.isfinite(paged.as_values(a)))) for a in jax.tree.leaves(pool))
+    engine.check_invariants()
+
+
+def test_metrics_count_an_overflow_apart_from_integrity_aborts(overflowing):
+    """``/metrics``: the overflow is ``phaseserve:nonfinite_errors_total``, and ``integrity_aborts_total`` stays 0
+    (it used to count it)."""
+    import http.client
+
+    from phaseserve.data.tokenizer import ByteTokenizer
+    from phaseserve.server import EngineBackend, create_app
+    from phaseserve.server.launch import start_in_thread
+
+    cfg, params = overflowing
+    engine = ps.Engine(cfg, params, serve_config("colocated", num_pages=64, integrity=True))
+    srv, thread, base = start_in_thread(create_app(EngineBackend(engine), ByteTokenizer(), "m"))
+    try:
+        host, port = base.split("//")[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=b'{"model": "m", "prompt": "hello", "max_tokens": 4}',
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        body = r.read().decode()
+        assert r.status == 500 and "NonFiniteLogitsError" in body, (r.status, body)
+        end = time.monotonic() + 30
+        while True:  # the counters are read from the engine after the loop iteration that ended the request
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+            values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("phaseserve:") and "_total" in line.split("{")[0]}
+            if values.get("phaseserve:nonfinite_errors_total") or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        conn.close()
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+    assert values["phaseserve:nonfinite_errors_total"] == 1.0, values
+    assert values["phaseserve:integrity_aborts_total"] == 0.0, values

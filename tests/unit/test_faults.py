@@ -18,6 +18,7 @@ from phaseserve.cache import paged
 from phaseserve.cache.allocator import TAG_MAX, PageAllocator, PageTables
 from phaseserve.cache.integrity import IntegrityTracker, KVIntegrityError, NoopTracker
 from phaseserve.config import ModelConfig
+from phaseserve.engine.request import NonFiniteLogitsError, nonfinite_logits
 
 S = 4
 MLA = ModelConfig(architecture="DeepseekV3ForCausalLM", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
@@ -35,6 +36,23 @@ def jitted(kind: str):
         _JIT[kind] = jax.jit(partial(toy_decode_step, tracker=cls), donate_argnums=0)
         _JIT["prompt"] = jax.jit(paged.write_prompt, donate_argnums=0)
     return _JIT[kind]
+
+
+def step_errors(tracker, rows: list[str | None], ok, finite, batch) -> dict[str, Exception]:
+    """What the engine ends after a step: the tracker's page-tag failures (``KVIntegrityError``) and, for the rows
+    whose attention output the guard found NaN/inf (the decode step's ``NONFINITE_ATTENTION`` token), a
+    ``NonFiniteLogitsError`` -- never an integrity failure."""
+    errors: dict[str, Exception] = dict(tracker.failures(rows, ok, batch))
+    if finite is not None:
+        for rid, f in zip(rows, np.asarray(finite), strict=True):
+            if rid is not None and not f and rid not in errors:
+                errors[rid] = nonfinite_logits(rid, 0, "attention")
+    return errors
+
+
+def scrubs(err: Exception) -> bool:
+    """The row may have read NaN/inf from its pages: they are zeroed before release."""
+    return isinstance(err, NonFiniteLogitsError)
 
 
 class Harness:
@@ -79,7 +97,7 @@ class Harness:
         return [r for r in self.rows if r is not None]
 
     def step(self, grow=True):
-        """Grow pages, check, run the toy step. Returns (out f32[B, L, H, hd or r], {rid: KVIntegrityError})."""
+        """Grow pages, check, run the toy step. Returns (out f32[B, L, H, hd or r], {rid: error} (step_errors))."""
         rng = np.random.default_rng([self.seed, self.i])
         b, cfg = len(self.rows), self.cfg
         hd = cfg.kv_cache_width
@@ -96,7 +114,7 @@ class Harness:
         lengths = jnp.asarray([self.length.get(r, 0) if r else 0 for r in self.rows], jnp.int32)
         mask = jnp.asarray([r is not None for r in self.rows])
         self.pool, out, finite = self.step_fn(self.pool, q, new, jnp.asarray(batch[0]), lengths, mask, ok)
-        errors = self.tracker.failures(self.rows, ok, finite, batch)
+        errors = step_errors(self.tracker, self.rows, ok, finite, batch)
         for r in self.live():
             self.length[r] += 1
         self.i += 1
@@ -139,7 +157,7 @@ FAULTS = {  # name -> (inject, expected error kind or None if the fault is never
     "double_allocate": (lambda h: h.inj.double_allocate("r1", 0, "r2"), "tag"),  # r2 writes into r1's page 0
     "nan_data": (lambda h: poison(h, 0, 1), "nonfinite"),  # position 1: read every step
     "inf_scale": (lambda h: poison(h, 2, 3, "scale", float("inf")), "nonfinite"),  # position 11
-    "nan_scale": (lambda h: poison(h, 1, 0, "scale"), "nonfinite"),
+    "nan_scale": (lambda h: poison(h, 1, 0, "scale"), "nonfinite"),  # "nonfinite": a NonFiniteLogitsError
     "nan_unread_slot": (lambda h: poison(h, 3, 2), None),  # position 14: written at step 4 before it is read
 }
 
@@ -156,7 +174,7 @@ def run(cfg, kind, fault=None, kv_dtype="float8_e4m3fn"):
         outs.append(out)
         flagged.append(errors)
         for rid, err in errors.items():
-            skipped = h.abort(rid, scrub=err.kind == "nonfinite")
+            skipped = h.abort(rid, scrub=scrubs(err))
     return h, np.stack(outs), flagged, skipped
 
 
@@ -177,7 +195,10 @@ def test_fault_is_caught_in_the_step_it_is_first_read_and_only_the_victim(name, 
     else:
         assert [sorted(f) for f in flagged] == [[]] * K + [["r1"]] + [[]] * (STEPS - K - 1)
         err = flagged[K]["r1"]
-        assert isinstance(err, KVIntegrityError) and err.kind == kind and err.request_id == "r1"
+        if kind == "nonfinite":
+            assert isinstance(err, NonFiniteLogitsError) and err.where == "attention" and "'r1'" in str(err)
+        else:
+            assert isinstance(err, KVIntegrityError) and err.kind == kind and err.request_id == "r1"
         others = [0, 2, 3]  # rows of r0, r2, r3: bit-identical at every step, before and after the fault
         np.testing.assert_array_equal(out[:, others], ref[:, others])
         np.testing.assert_array_equal(out[:K, 1], ref[:K, 1])

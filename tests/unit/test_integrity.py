@@ -67,14 +67,12 @@ def test_failures_are_typed_and_explained():
     t.page_table[t.slot_of["c"], 0] = 77
     batch = t.batch(["a", "b", None, "c"])
     ok = tr.check(*batch)
-    finite = jnp.asarray([False, True, True, True])
-    errs = tr.failures(["a", "b", None, "c"], ok, finite, batch)
-    assert sorted(errs) == ["a", "b", "c"] and all(isinstance(e, KVIntegrityError) for e in errs.values())
-    assert errs["a"].kind == "nonfinite"
+    errs = tr.failures(["a", "b", None, "c"], ok, batch)
+    assert sorted(errs) == ["b", "c"] and all(isinstance(e, KVIntegrityError) for e in errs.values())  # a is fine
     assert errs["b"].kind == "tag" and f"page {t.owned('b')[1]} is free" in errs["b"].details
     assert errs["c"].kind == "range" and "page 77 out of range" in str(errs["c"])
-    assert tr.failures(["a"], jnp.asarray([True]), None) == {}
-    assert NoopTracker(a).failures(["a", "b"], None, None) == {}
+    assert tr.failures(["a"], jnp.asarray([True])) == {}
+    assert NoopTracker(a).failures(["a", "b"], None) == {}
 
 
 def test_guard_finite_flags_and_zeroes_rows():
