@@ -91,20 +91,19 @@ def test_overflow_in_decode_ends_the_request_with_the_tokens_before_it(model, in
 
 
 # ---- issue 61: an overflow in the attention scores of a checkpoint that loads without complaint --------------------
-@pytest.fixture(scope="module")
-def overflowing(tmp_path_factory):
-    """The shipped default model with layer 0's ``kv_a_layernorm`` scaled by 1e30, saved as a checkpoint: it loads
-    (every stored value is finite), its pages hold finite values, and its activations overflow (the attention
-    scores and the next layer's mean square). Before the fix: with the integrity check off the request ended with
-    token 0 emitted (transformers' RMSNorm turns the overflow into zeros, whose argmax is 0); with it on, as a
-    ``KVIntegrityError`` counted as an integrity abort."""
+def write_overflowing_checkpoint(dst) -> None:
+    """The shipped default model with layer 0's ``kv_a_layernorm`` scaled by 1e30, saved as a checkpoint in ``dst``:
+    it loads (every stored value is finite), its pages hold finite values, and its activations overflow (the
+    attention scores and the next layer's mean square). Before the fix: with the integrity check off the request
+    ended with token 0 emitted (transformers' RMSNorm turns the overflow into zeros, whose argmax is 0); with it on,
+    as a ``KVIntegrityError`` counted as an integrity abort."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from lab.eval.demo import default_model_path
 
-    src, dst = default_model_path(), tmp_path_factory.mktemp("overflow")
+    src = default_model_path()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, dst / f.name)
@@ -112,7 +111,28 @@ def overflowing(tmp_path_factory):
     name = "model.layers.0.self_attn.kv_a_layernorm.weight"
     tensors[name] = (tensors[name].float() * 1e30).to(tensors[name].dtype)
     save_file(tensors, str(dst / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("overflow")
+    write_overflowing_checkpoint(dst)
     return ps.load_checkpoint(dst, dtype="float32")
+
+
+def assert_overflow_outputs(outs: list, summary: dict) -> None:
+    """Every request ended ``error`` with a ``NonFiniteLogitsError`` and emitted nothing; none counted as an
+    integrity abort."""
+    for o in outs:
+        assert o.finish_reason == "error" and isinstance(o.error, NonFiniteLogitsError), (o.id, o.error)
+        assert o.tokens == [], (o.id, o.tokens)  # token 0 used to go out here
+    assert (summary["aborted"], summary["errors"], summary["nonfinite_errors"]) == (0, len(outs), len(outs))
+
+
+def overflow_requests() -> list[Request]:
+    rng = np.random.default_rng(5)
+    return [Request(id=f"r{i}", prompt=[int(t) for t in rng.integers(0, 256, n)], max_tokens=5, ignore_eos=True)
+            for i, n in enumerate((3, 13, 21))]  # 13 and 21 tokens: several chunks of 8 where chunked
 
 
 MODES = {  # name -> (mode, integrity, attention implementation, decode lookahead, prefill tokens per step)
@@ -130,15 +150,7 @@ def test_an_attention_overflow_emits_nothing_and_is_no_integrity_abort(overflowi
     serve = serve_config(mode, num_pages=64, integrity=integrity, decode_lookahead=lookahead,
                          max_prefill_tokens=chunk)
     engine = ps.Engine(cfg, params, serve, attn_impl=attn)
-    rng = np.random.default_rng(5)
-    reqs = [Request(id=f"r{i}", prompt=[int(t) for t in rng.integers(0, 256, n)], max_tokens=5, ignore_eos=True)
-            for i, n in enumerate((3, 13, 21))]  # 13 and 21 tokens: several chunks of 8 where chunked
-    outs = engine.generate(reqs)
-    for o in outs:
-        assert o.finish_reason == "error" and isinstance(o.error, NonFiniteLogitsError), (o.id, o.error)
-        assert o.tokens == [], (o.id, o.tokens)  # token 0 used to go out here
-    summary = engine.summary()
-    assert (summary["aborted"], summary["errors"], summary["nonfinite_errors"]) == (0, 3, 3)
+    assert_overflow_outputs(engine.generate(overflow_requests()), engine.summary())
     assert engine.allocator.num_free == engine.num_pages - 1  # nothing leaked
     for pool in (engine.prefill.pool, engine.decode.pool):
         assert all(bool(jnp.all(jnp.isfinite(paged.as_values(a)))) for a in jax.tree.leaves(pool))
