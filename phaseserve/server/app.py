@@ -13,7 +13,8 @@ update the loop hands over (every token, or every ``stream_interval`` tokens; th
 
 Errors, in OpenAI's body (``{"error": {"message", "type", "param", "code"}}``):
 
-- 400 ``invalid_request_error``: a body that fails the schemas (:mod:`phaseserve.server.schemas`), or a request
+- 400 ``invalid_request_error``: a body beyond the JSON bounds (:mod:`phaseserve.server.jsonbounds`: nesting
+  depth, ...) or one that fails the schemas (:mod:`phaseserve.server.schemas`), or a request
   the engine refuses on arrival (a :class:`~phaseserve.RequestError`: token outside the vocabulary, prompt +
   max_tokens beyond the context, ...); a streamed request is refused before its stream starts;
 - 404 ``model_not_found``: ``model`` names another model;
@@ -47,6 +48,7 @@ from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.engine import Request, RequestError, RequestOutput
 from phaseserve.engine.request import validate
 from phaseserve.server.chat import TextStream, forced_prefix, render_chat, usage
+from phaseserve.server.jsonbounds import BoundedRoute
 from phaseserve.server.logprobs import chat_logprobs, completion_logprobs, token_string
 from phaseserve.server.loop import EngineLoop, Update
 from phaseserve.server.metrics import ServerMetrics
@@ -187,6 +189,7 @@ def create_app(backend: Any, tokenizer: Any, model_name: str, stream_interval: i
             loop.close()
 
     app = FastAPI(title="phaseserve", lifespan=lifespan)
+    app.router.route_class = BoundedRoute  # bodies decoded within jsonbounds' limits (a 400 past them)
     app.state.metrics = metrics
     app.add_middleware(Gate, auth=Auth(api_keys, metrics_key), max_body_bytes=max_body_bytes)
 

@@ -10,8 +10,9 @@ answer (:func:`forced_prefix`): ``"required"`` appends ``<tool_call>`` to the pr
 :class:`TextStream` turns generated ids into text deltas as they arrive: UTF-8 decoded incrementally (a multi-byte
 character is sent whole), special tokens dropped, ``stop`` strings matched on the text (held back while they may
 still be starting) and, for chat with tools, the text from ``<tool_call>`` on kept back for
-:func:`tool_calls_of`, which returns it as a call only when it names an offered tool and its arguments satisfy that
-tool's JSON schema (else the text comes back as content).
+:func:`tool_calls_of`, which returns it as a call only when it is JSON within :mod:`phaseserve.server.jsonbounds`'
+limits, names an offered tool and its arguments satisfy that tool's JSON schema (else the text comes back as
+content; so does a call checked against a schema whose ``$ref`` loops or points nowhere).
 
 A checkpoint with its own Hugging Face tokenizer (:class:`~phaseserve.data.tokenizer.HFTokenizer`) renders chats
 with its chat template; its tool-call format is the model's own, which this server does not parse, so ``tools``
@@ -25,8 +26,11 @@ import json
 import uuid
 from typing import Any
 
+from referencing.exceptions import Unresolvable
+
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.data.toolcalls import extract_call, validate_call
+from phaseserve.server.jsonbounds import loads
 from phaseserve.server.schemas import ChatCompletionRequest, Message, NamedToolChoice
 
 
@@ -44,7 +48,7 @@ def render_chat(messages: list[Message], tok: Any, tools: list[dict] | None = No
             continue
         ids += tok.encode(m.text)
         for c in m.tool_calls or []:
-            call = {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
+            call = {"name": c.function.name, "arguments": loads(c.function.arguments or "{}")}
             ids += [tok.tool_start_id, *tok.encode(json.dumps(call)), tok.tool_end_id]
         ids.append(tok.eos_id)
     return ids
@@ -59,7 +63,7 @@ def _template_message(m: Message) -> dict:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
         out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}} for c in m.tool_calls]
+            "name": c.function.name, "arguments": loads(c.function.arguments or "{}")}} for c in m.tool_calls]
     return out
 
 
@@ -79,10 +83,13 @@ def tool_calls_of(ids: list[int], tok: ByteTokenizer, tools: dict[str, dict]) ->
     that tool's schema (``jsonschema``): a call to a tool that was not offered is not a call."""
     text = extract_call(ids, tok)
     try:
-        call = json.loads(text) if text is not None else None
+        call = loads(text, "the tool call") if text is not None else None  # bounded: ValueError past the limits
     except ValueError:
         return None
-    if validate_call(call, tools):
+    try:
+        if validate_call(call, tools):
+            return None
+    except (RecursionError, Unresolvable):  # a schema whose $ref loops ({"$ref": "#"}) or points nowhere
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]

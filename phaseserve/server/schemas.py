@@ -4,7 +4,9 @@ Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`Chat
 (``POST /v1/chat/completions``). Every top-level field is honoured or refused by name: an unknown field, or a known
 one at a value the server cannot honour (penalties, ``min_p``, ``logit_bias``, ``response_format`` json_object /
 json_schema, ``best_of``, ``suffix``, ``logprobs`` with ``stream``, ...), is a 400 naming it, with an OpenAI-style
-body (:func:`error_body`), as is any invalid value. Nested objects (messages, tools) ignore unknown keys.
+body (:func:`error_body`), as is any invalid value. Nested objects (messages, tools) ignore unknown keys. Every
+body, and each tool call's ``arguments``, is within :mod:`phaseserve.server.jsonbounds`' limits (nesting depth,
+finite numbers, unique keys, UTF-8) before anything recurses into it.
 
 Sampling fields map onto :class:`phaseserve.Request` (:meth:`SamplingFields.sampling`): ``temperature``,
 ``top_p``, ``top_k`` (vLLM's extension; ``-1`` or ``0`` disable it), ``seed``, ``max_tokens``
@@ -18,7 +20,6 @@ streaming.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from jsonschema import Draft202012Validator
@@ -26,6 +27,7 @@ from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from phaseserve.engine.request import MAX_LOGPROBS
+from phaseserve.server.jsonbounds import JsonBoundsError, check_value, loads
 
 U32 = 2**32
 MAX_CHOICES = 16  # n: choices per prompt
@@ -40,29 +42,24 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as OpenAI's server does
 
 
-def _not_utf8(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first string in a decoded JSON value that is not valid UTF-8 (a lone surrogate,
-    which JSON's ``\\ud800`` escapes can carry), or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        bad = _not_utf8(k, path) if isinstance(k, str) else None
-        bad = bad or _not_utf8(v, f"{path}.{k}" if path else str(k))
-        if bad:
-            return bad
-    return None
+class _Body(BaseModel):
+    """A request body: checked whole, before any field, by :func:`~phaseserve.server.jsonbounds.check_value`
+    (nesting depth, lone surrogates, non-finite floats), so nothing below recurses deeper than its bound; the
+    HTTP body was bounded as text already (:func:`~phaseserve.server.jsonbounds.loads`), this covers values
+    handed over from Python too."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        check_value(data, "")  # messages: "messages.0.content: ...", the body itself "body: ..."
+        return data
 
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Body):
     """Fields shared by completions and chat completions. A field this server does not know is refused by name
     (a 400), and so is a known one set to a value it cannot honour (:data:`REFUSED_UNLESS_DEFAULT`,
     ``response_format`` other than text): nothing a client sends is silently ignored."""
@@ -92,14 +89,6 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _utf8(cls, data: Any) -> Any:
-        bad = _not_utf8(data)
-        if bad:
-            raise ValueError(f"{bad}: a string is not valid UTF-8 (a lone surrogate)")
-        return data
 
     @field_validator("stop")
     @classmethod
@@ -220,7 +209,9 @@ class FunctionCall(_Lenient):
     @classmethod
     def _json(cls, v: str) -> str:
         try:
-            json.loads(v or "{}")
+            check_value(loads(v or "{}", "function.arguments"), "function.arguments")
+        except JsonBoundsError:
+            raise
         except ValueError:
             raise ValueError("function.arguments must be a JSON string") from None
         return v
@@ -305,7 +296,7 @@ class ChatCompletionRequest(SamplingFields):
         return {t.function.name: t.function.parameters for t in self.tools} if self.tools_on else None
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_Body, _Lenient):
     """``POST /tokenize`` (vLLM's): a ``prompt`` (``add_special_tokens``: as a completion prompt is encoded, with
     ``<bos>``) or chat ``messages`` (rendered as a chat completion's prompt)."""
 
@@ -325,7 +316,7 @@ class TokenizeRequest(_Lenient):
         return self
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Body, _Lenient):
     """``POST /detokenize`` (vLLM's): token ids -> ``{"prompt": text}``."""
 
     model: str | None = None
