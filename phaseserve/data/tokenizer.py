@@ -20,9 +20,10 @@ and ``tokenizer_config.json``), so ``transformers.AutoTokenizer.from_pretrained(
 as bytes (``split_special_tokens``).
 
 :class:`HFTokenizer` is the same interface (``encode_prompt``, ``decode``, ``is_special``, ``token_bytes``,
-``info``) over a checkpoint's own Hugging Face tokenizer (``transformers.AutoTokenizer``), with its chat template
-(``chat_ids``): what the server uses for a checkpoint whose ``tokenizer.json`` is not this byte-level one (Kimi,
-GLM, Qwen, ...). :func:`load_tokenizer` picks one for a checkpoint directory.
+``info``) over a checkpoint's own Hugging Face tokenizer files (read with ``tokenizers``, no ``transformers``), with
+its chat template (``chat_ids``, rendered with jinja2): what the server uses for a checkpoint whose
+``tokenizer.json`` is not this byte-level one (Kimi, GLM, Qwen, ...). :func:`load_tokenizer` picks one for a
+checkpoint directory.
 """
 
 from __future__ import annotations
@@ -135,7 +136,13 @@ class ByteTokenizer:
 
     @classmethod
     def from_json(cls, d: dict) -> ByteTokenizer:
-        """The tokenizer a Hugging Face ``tokenizer.json`` describes, if it is this byte-level one (ValueError else)."""
+        """The tokenizer a Hugging Face ``tokenizer.json`` describes, if it is this byte-level one (ValueError else);
+        also the project's own earlier format (``{"type": "byte_level", "vocab_size", "special_tokens"}``)."""
+        if d.get("type") == "byte_level":
+            tok = cls(vocab_size=int(d.get("vocab_size", VOCAB_SIZE)))
+            if d.get("special_tokens") != tok.special_ids:
+                raise ValueError(f"special token ids {d.get('special_tokens')} differ from {tok.special_ids}")
+            return tok
         model, pre = d.get("model") or {}, d.get("pre_tokenizer") or {}
         if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or model.get("merges"):
             raise ValueError(f"not a byte-level tokenizer.json: model {model.get('type')!r}, pre-tokenizer "
@@ -160,33 +167,59 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's Hugging Face tokenizer behind the server's tokenizer interface. ``encode_prompt`` adds the
-    special tokens the tokenizer adds by default (its ``<bos>``, as the model was trained); ``chat_ids`` renders
-    messages (and offered ``tools``) with the checkpoint's chat template and the generation prompt."""
+    """A checkpoint's Hugging Face tokenizer behind the server's tokenizer interface, read with the ``tokenizers``
+    library (``tokenizer.json``) and ``tokenizer_config.json`` alone -- no ``transformers`` -- so serving any
+    checkpoint needs only the package's own dependencies. ``encode_prompt`` adds the special tokens the tokenizer
+    adds by default (its post-processor: ``<bos>``, as the model was trained); ``chat_ids`` renders messages (and
+    offered ``tools``) with the checkpoint's chat template (:mod:`phaseserve.data.chat_template`) and the
+    generation prompt, then encodes the text without adding special tokens, as ``apply_chat_template`` does."""
 
-    def __init__(self, hf: Any):
-        self.hf = hf
-        self.vocab_size = len(hf)
-        self.bos_id, self.eos_id = hf.bos_token_id, hf.eos_token_id
-        self._special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    def __init__(self, tok: Tokenizer, config: dict | None = None, chat_template: str | None = None):
+        self.tok, self.config = tok, dict(config or {})
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.names = {k: _token_text(self.config.get(k)) for k in ("bos_token", "eos_token", "unk_token",
+                                                                   "pad_token")}
+        self.bos_id, self.eos_id = (self._id(self.names[k]) for k in ("bos_token", "eos_token"))
+        state = json.loads(tok.to_str())
+        added = {int(i): v for i, v in (self.config.get("added_tokens_decoder") or {}).items()}
+        self._special = {t["id"] for t in state.get("added_tokens", []) if t.get("special")}
+        self._special |= {i for i, v in added.items() if v.get("special")}
+        extra = [_token_text(t) for t in self.config.get("additional_special_tokens") or []]
+        self._special |= {i for i in map(self._id, [*self.names.values(), *extra]) if i is not None}
         self._bytes: dict[int, bytes] = {}
-        self._byte_level = _is_byte_level(hf)
+        self._byte_level = "ByteLevel" in json.dumps([state.get("pre_tokenizer"), state.get("decoder")])
         self._inverse = {ch: b for b, ch in enumerate(byte_chars())}
+        self._cleanup = bool(self.config.get("clean_up_tokenization_spaces", False))
+        self.chat_template = chat_template
+
+    def _id(self, text: str | None) -> int | None:
+        return None if text is None else self.tok.token_to_id(text)
 
     @classmethod
     def load(cls, directory: str | Path) -> HFTokenizer:
-        from transformers import AutoTokenizer
+        """``tokenizer.json`` (required), ``tokenizer_config.json`` and the chat template (``chat_template.jinja``,
+        ``chat_template.json``, or ``tokenizer_config.json``'s ``chat_template``; the ``default`` one of a named
+        list)."""
+        from phaseserve.data.chat_template import read_chat_template
 
-        return cls(AutoTokenizer.from_pretrained(str(directory)))
+        d = Path(directory)
+        cfg_path = d / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        try:
+            tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a missing or unreadable file
+            raise OSError(f"cannot read {d / 'tokenizer.json'}: {e}") from None
+        return cls(tok, config, read_chat_template(d, config))
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
-        return list(self.hf(text, add_special_tokens=bos)["input_ids"])
+        return list(self.tok.encode(text, add_special_tokens=bos).ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text, bos=True)
 
     def decode(self, ids, skip_special: bool = False) -> str:
-        return self.hf.decode([int(t) for t in ids], skip_special_tokens=skip_special)
+        text = self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special)
+        return clean_up_tokenization(text) if self._cleanup else text
 
     def is_special(self, t: int) -> bool:
         return t in self._special
@@ -196,7 +229,7 @@ class HFTokenizer:
         ``<0xNN>`` byte fallback and ``▁`` as a space; a special token: its text."""
         out = self._bytes.get(t)
         if out is None:
-            piece = self.hf.convert_ids_to_tokens(int(t))
+            piece = self.tok.id_to_token(int(t))
             if piece is None:
                 out = b""
             elif t in self._special:
@@ -210,39 +243,43 @@ class HFTokenizer:
             self._bytes[t] = out
         return out
 
-    @property
-    def chat_template(self) -> str | None:
-        return getattr(self.hf, "chat_template", None)
-
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt of a chat: the checkpoint's chat template with the generation prompt (ValueError when the
-        tokenizer has no template)."""
+        tokenizer has no template, or the template raises)."""
+        from phaseserve.data.chat_template import render
+
         if not self.chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template")
-        ids = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        text = render(self.chat_template, messages, tools=tools, add_generation_prompt=True,
+                      **{k: v for k, v in self.names.items() if v is not None})
+        return self.encode(text, bos=False)
 
     def info(self) -> dict:
-        h = self.hf
-        return {"tokenizer_class": type(h).__name__, "vocab_size": self.vocab_size, "bos_token": h.bos_token,
-                "eos_token": h.eos_token, "pad_token": h.pad_token,
-                "add_bos_token": bool(self.encode("x", bos=True)[:1] == [self.bos_id] and self.bos_id is not None),
-                "chat_template": self.chat_template, "model_max_length": h.model_max_length}
+        return {"tokenizer_class": str(self.config.get("tokenizer_class") or "PreTrainedTokenizerFast"),
+                "vocab_size": self.vocab_size, "bos_token": self.names["bos_token"],
+                "eos_token": self.names["eos_token"], "pad_token": self.names["pad_token"],
+                "add_bos_token": bool(self.bos_id is not None and self.encode("x", bos=True)[:1] == [self.bos_id]),
+                "chat_template": self.chat_template,
+                "model_max_length": self.config.get("model_max_length", int(1e30))}
 
 
-def _is_byte_level(hf: Any) -> bool:
-    backend = getattr(hf, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    state = json.loads(backend.to_str())
-    return "ByteLevel" in json.dumps([state.get("pre_tokenizer"), state.get("decoder")])
+def _token_text(t: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` stores it: a string, or an AddedToken dict with ``content``."""
+    return t.get("content") if isinstance(t, dict) else t
+
+
+def clean_up_tokenization(text: str) -> str:
+    """Hugging Face's ``clean_up_tokenization_spaces``: no space before punctuation and English contractions."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
 
 
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a checkpoint directory: the byte-level one when its ``tokenizer.json`` is that (the
-    default model), else its own Hugging Face tokenizer (``AutoTokenizer``)."""
+    default model, in either of the formats it has shipped in), else its own Hugging Face tokenizer
+    (:class:`HFTokenizer`)."""
     path = Path(directory) / "tokenizer.json"
     try:
         return ByteTokenizer.from_json(json.loads(path.read_text()))

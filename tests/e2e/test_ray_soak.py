@@ -9,6 +9,7 @@ import pytest
 
 from lab.bench.ray_soak import SoakSpec, bad_bodies, report, soak, verdict
 
+
 @pytest.mark.slow  # a Ray cluster and two engines: run by `pytest -m slow` (README)
 def test_a_short_hostile_soak_passes_every_check():
     res = soak(SoakSpec(seconds=20.0, max_good=12))
