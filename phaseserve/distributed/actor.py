@@ -14,7 +14,13 @@ allocators, admission and the finish rule stay in the engine -- so its methods t
 - ``pull_land``: pull a peer's staged KV over ``jax.experimental.transfer`` into fresh buffers (a deadline polled
   with ``is_ready()``, never blocking on an unready array) and write it into pages of this pool.
 
-KV never passes through Ray: only descriptors, token ids and page ids do.
+KV never passes through Ray: only descriptors, token ids and page ids do. Its transfer server listens behind a
+:class:`~phaseserve.distributed.gate.TransferGate` (``gate``, the default): peers must prove the deployment's
+secret before a byte reaches the jax server, whose raw port dies of some malformed frames.
+
+Two methods run on the actor's ``health`` thread (a Ray concurrency group), beside whatever call is running:
+``ping`` (the engine's heartbeat) and ``abandon_pull`` (the engine saw a pull's source die or hang: the pull in
+progress gives up at once instead of at its deadline).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class PhaseActor:
 
     def __init__(self, phase: str, model: ModelSource, serve: ServeConfig, *, decode_pages: int | None = None,
                  attn_impl: str = "auto", matmul_impl: str = "auto", bind: str | None = "127.0.0.1",
-                 staging_pages: int = 4096, staging_ttl_s: float = 120.0):
+                 staging_pages: int = 4096, staging_ttl_s: float = 120.0, gate: bool = True):
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         self.phase, self.serve = phase, serve
@@ -70,11 +76,13 @@ class PhaseActor:
         self._tree = jax.tree.structure(jax.eval_shape(
             lambda pool: export_pages(pool, jnp.zeros(1, jnp.int32), self.worker.pool_dtype), self.worker.pool))
         self.device = devices[0]
-        self.endpoint = start_endpoint(bind or _node_ip(), self.device)  # None: this node's address in Ray
+        self.endpoint = start_endpoint(bind or _node_ip(), self.device, gate=gate)  # None: the node's Ray address
         self.staging = StagingArea(self.endpoint, staging_pages, serve.cache.page_size, staging_ttl_s)
         self.puller = Puller(self.endpoint, self.device)
         self.stats = collections.Counter()
         self.incarnation = random.getrandbits(63)  # a restarted actor is a new incarnation with an empty pool
+        self._pulling: int | None = None  # the uuid pull_land is waiting for
+        self._abandon: int | None = None  # set (health thread) to that uuid: give the pull up
 
     def call(self, incarnation: int, method: str, *args: Any) -> Any:
         """The engine's one entry point: ``method(*args)`` if the caller's state is about this incarnation (else
@@ -98,15 +106,23 @@ class PhaseActor:
         """This incarnation's id."""
         return self.incarnation
 
+    def abandon_pull(self, uuid: int) -> bool:
+        """Give up the pull of ``uuid`` if it is the one in progress (its source died or hung); True if it was."""
+        if self._pulling != uuid:
+            return False
+        self._abandon = uuid
+        return True
+
     def kernels(self) -> collections.Counter:
         return self.worker.kernels
 
     def snapshot(self) -> dict:
         """Counters: staged entries and pages, refusals by kind, expired entries, transfers."""
         self.staging.expire()
+        gate = getattr(self.endpoint, "gate", None)
         return dict(self.stats, staged=len(self.staging.entries), staging_pages_in_use=self.staging.pages_in_use,
                     refused=dict(self.staging.refused), expired=self.staging.expired,
-                    pool_pages=self.worker.num_pages)
+                    pool_pages=self.worker.num_pages, port=gate.snapshot() if gate is not None else None)
 
     def pool_ok(self) -> bool:
         return self.worker.pool_ok()
@@ -170,12 +186,22 @@ class PhaseActor:
         ``TransferError`` if the pulled buffers carry an error or do not fit."""
         t0 = time.monotonic()
         arrays = self.puller.pull(desc)
-        while not all(x.is_ready() for x in arrays):
-            if time.monotonic() - t0 > timeout_s:
-                self.stats["timeouts"] += 1
-                raise TransferTimeoutError(f"KV transfer {desc.uuid} from {desc.address} did not land in "
-                                           f"{timeout_s:.1f}s")
-            time.sleep(0.0005)
+        self._pulling, self._abandon = desc.uuid, None
+        try:
+            while not all(x.is_ready() for x in arrays):
+                if self._abandon == desc.uuid:
+                    self.stats["abandoned"] += 1
+                    self.puller.forget(desc.address)
+                    raise TransferError(f"KV transfer {desc.uuid} from {desc.address} abandoned: its source died "
+                                        f"or stopped answering")
+                if time.monotonic() - t0 > timeout_s:
+                    self.stats["timeouts"] += 1
+                    self.puller.forget(desc.address)
+                    raise TransferTimeoutError(f"KV transfer {desc.uuid} from {desc.address} did not land in "
+                                               f"{timeout_s:.1f}s")
+                time.sleep(0.0005)
+        finally:
+            self._pulling = None
         try:
             jax.block_until_ready(arrays)  # raises if the pull errored (the peer died mid-pull)
             kv = jax.tree.unflatten(self._tree, jax.device_put([x[None] for x in arrays], self.worker.sharding))
@@ -183,6 +209,7 @@ class PhaseActor:
             self.worker.block()
         except Exception as e:
             self.stats["transfer_errors"] += 1
+            self.puller.forget(desc.address)
             raise TransferError(f"KV transfer {desc.uuid} into the {self.phase} pool failed: {e!r:.300}") from None
         self.stats["transfers"] += 1
         self.stats["seconds"] += time.monotonic() - t0

@@ -17,7 +17,12 @@ on the node started with ``ray start --resources='{"prefill": 1}'``) and ``num_g
 Faults: a dead actor raises ``PeerDeadError`` in the engine; the requests whose KV it held end with it (those
 that emitted nothing are requeued), Ray restarts the actor (``max_restarts``), and :meth:`RayEngine.health`
 names the phase that is down until the restarted actor answers; meanwhile :meth:`RayEngine.step` waits instead
-of stepping.
+of stepping. Liveness is a heartbeat answered on the actor's own thread: an actor that has not answered one for
+``heartbeat_timeout_s`` is reported *not answering* (``/health`` 503) until it does again; a call waits for an
+actor that stopped answering up to ``call_timeout_s`` (it may resume: a pause, a stall), then kills it as hung,
+which from there is a death like any other (``phaseserve.distributed.workers``). A transfer whose source dies or
+hangs is abandoned at once rather than at ``transfer_timeout_s``. The transfer ports are behind an authenticating
+gate (``transfer_gate``; ``phaseserve.distributed.gate``).
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class RayOptions:
     max_restarts: int = 8  # Ray restarts a dead actor this many times
     bind: str | None = "127.0.0.1"  # the actors' transfer servers listen here; None: each its node's Ray address
     transfer_timeout_s: float = 30.0  # a KV pull must land within this (TransferTimeoutError)
+    heartbeat_timeout_s: float = 2.0  # an actor that leaves a heartbeat unanswered this long is "not answering"
+    call_timeout_s: float = 30.0  # a call is abandoned (the actor killed as hung) after this long without a heartbeat
+    max_call_s: float = 600.0  # ... or after this long in one call whatever the heartbeat (a step that never ends)
+    transfer_gate: bool = True  # the transfer ports admit only peers that prove the deployment secret (gate.py)
     staging_pages: int = 4096  # pages a phase may hold staged for pulls
     staging_ttl_s: float = 120.0  # staged KV never pulled nor released is freed after this
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache of the actors (restarts reuse it)
@@ -120,12 +129,13 @@ def spawn(phase: str, model: ModelSource, serve: ServeConfig, options: RayOption
     m = serve.mesh
     n = m.prefill_tp if phase == "prefill" else m.decode_tp * m.decode_ep
     po = options.prefill if phase == "prefill" else options.decode
-    cls = ray.remote(PhaseActor).options(
+    # a "health" thread answers heartbeats beside a running call (workers.py, "Hangs")
+    cls = ray.remote(concurrency_groups={"health": 1})(PhaseActor).options(
         name=None, num_cpus=0, num_gpus=po.num_gpus, resources=po.resources or None,
         max_restarts=options.max_restarts, max_task_retries=0, max_concurrency=1,
         runtime_env={"env_vars": actor_env(options, n)})
     return cls.remote(phase, model, serve, bind=options.bind, staging_pages=options.staging_pages,
-                      staging_ttl_s=options.staging_ttl_s, **kw)
+                      staging_ttl_s=options.staging_ttl_s, gate=options.transfer_gate, **kw)
 
 
 class RayEngine(Engine):
@@ -163,7 +173,8 @@ class RayEngine(Engine):
                               f"{pinfo['num_pages']} pages: a handoff could never be staged")
         limits = Limits.of(cfg, serve, dinfo["num_pages"])
         c = serve.cache
-        t = dict(transfer_timeout_s=options.transfer_timeout_s)
+        t = dict(transfer_timeout_s=options.transfer_timeout_s, call_timeout_s=options.call_timeout_s,
+                 heartbeat_timeout_s=options.heartbeat_timeout_s, max_call_s=options.max_call_s)
         workers = PhaseWorkers(RemotePrefill(prefill, pinfo, limits, serve.max_prefill_tokens, **t),
                                RemoteDecode(decode, dinfo, c.max_pages_per_seq, c.integrity, **t))
         super().__init__(cfg, None, serve, attn_impl, matmul_impl, handoff=RayHandoff(), workers=workers)
@@ -185,9 +196,15 @@ class RayEngine(Engine):
 
     def health(self) -> str | None:
         """None while both actors serve; else which phase is down (dead, restarting, or its death not yet handled
-        by the engine)."""
-        down = [p for p, w in self.phases.items() if not w.probe(0)]
-        return f"the {' and '.join(down)} actor{'s are' if len(down) > 1 else ' is'} down" if down else None
+        by the engine) or not answering its heartbeat (for ``heartbeat_timeout_s``: hung, stopped, unreachable).
+        Never blocks (``/health`` calls it from the HTTP event loop)."""
+        bad = []
+        for p, w in self.phases.items():
+            w.probe(0)
+            state = w.state()
+            if state is not None:
+                bad.append(f"the {p} actor is {state}")
+        return "; ".join(bad) or None
 
     def step(self, after_prefill: Any = None) -> list[tuple[str, int]]:
         """One scheduling round once both actors are up. A death noticed between steps (a failed ping) is handled

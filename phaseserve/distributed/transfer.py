@@ -53,6 +53,7 @@ import numpy as np
 from jax.experimental import transfer
 
 from phaseserve.cache.allocator import PageAllocator
+from phaseserve.distributed.gate import GatedServer, TransferGate, gate_key
 from phaseserve.distributed.protocol import (
     ForgedDescriptorError,
     StaleDescriptorError,
@@ -101,10 +102,18 @@ class DescriptorAuth:
         return desc
 
 
-def start_endpoint(bind: str = "127.0.0.1", device: jax.Device | None = None) -> Any:
-    """One TransferServer for this process, listening on an ephemeral port of ``bind``."""
+def start_endpoint(bind: str = "127.0.0.1", device: jax.Device | None = None, gate: bool = False,
+                   secret: bytes | str | None = None) -> Any:
+    """One TransferServer for this process, listening on an ephemeral port of ``bind``. With ``gate``, its control
+    port listens on loopback only and peers reach it through a :class:`~phaseserve.distributed.gate.TransferGate`
+    on ``bind`` (authenticated with the deployment's secret, frames checked); its pulls go out through an
+    :class:`~phaseserve.distributed.gate.Egress` (a :class:`~phaseserve.distributed.gate.GatedServer`)."""
     client = (device or jax.local_devices()[0]).client
-    return transfer.start_transfer_server(client, f"{bind}:0", [f"{bind}:0"])
+    if not gate:
+        return transfer.start_transfer_server(client, f"{bind}:0", [f"{bind}:0"])
+    server = transfer.start_transfer_server(client, "127.0.0.1:0", [f"{bind}:0"])
+    key = gate_key(deployment_secret(secret))
+    return GatedServer(server, TransferGate(server.address(), bind, key), key)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -277,3 +286,10 @@ class Puller:
         out = conn.pull(desc.uuid, avals_for(desc, self.sharding))
         self.bytes_pulled += desc.nbytes
         return out
+
+    def forget(self, address: str) -> None:
+        """Drop the connection to ``address`` (a pull on it failed or timed out: the peer died, or the connection
+        broke), so the next pull from that address connects afresh."""
+        self._conns.pop(address, None)
+        if hasattr(self.server, "forget"):
+            self.server.forget(address)

@@ -16,13 +16,25 @@ Death. Any call that finds its actor dead (Ray's ``RayActorError``: ``ActorDiedE
 raises :class:`~phaseserve.distributed.protocol.PeerDeadError` and marks the pool lost (``pool_ok()`` False): the
 engine then ends the requests whose KV was there (``Engine._pool_lost``: requeued when nothing was emitted yet,
 since ``requeue_lost``), and ``reset_pool()`` marks the worker *down* until Ray has restarted the actor
-(``max_restarts``) and a ping answers (:meth:`RemoteWorker.revive`); the decode worker then sends the full page
+(``max_restarts``) and a ping answers (:meth:`RemoteWorker.probe`); the decode worker then sends the full page
 tag table with its next step (the restarted actor's tag mirror starts empty).
+
+Hangs. Liveness comes from heartbeats: a ``ping`` kept outstanding, answered by the actor's own ``health`` thread
+(a Ray concurrency group), so an actor busy in a long call -- a first compile, a big step -- still answers and one
+whose process stopped (SIGSTOP, a wedged host) does not. A ping unanswered for ``heartbeat_timeout_s`` makes the
+worker *not answering* (``RayEngine.health`` names it: ``/health`` 503) until it answers again. Every call is
+bounded: its result is waited for in slices, and a call is abandoned as hung once the actor's heartbeat has been
+silent for ``call_timeout_s`` (or the call has run ``max_call_s`` whatever the heartbeat says: a step that never
+ends in a live process). A hung actor is then treated as dead -- killed, so that Ray restarts it with an empty
+pool -- and the call raises ``PeerDeadError``: its requests end or are requeued as on a death. An actor that
+stops answering for less than ``call_timeout_s`` (a pause, a stall) is waited for and resumes where it was.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +48,7 @@ from phaseserve.engine.batches import chunk_batch, decode_inputs, warm_chunk_bat
 from phaseserve.engine.request import Limits, Sequence
 from phaseserve.engine.scheduler import Chunk
 from phaseserve.engine.shapes import chunk_groups, decode_shapes, prefill_shapes
-from phaseserve.engine.workers import DecodeWorker, Launched, scrub_after_step
+from phaseserve.engine.workers import DecodeWorker, scrub_after_step
 
 
 @dataclass(frozen=True)
@@ -64,23 +76,31 @@ class RayHandoff:
 
 
 class RemoteWorker:
-    """What both proxies share: the actor handle, calls that turn actor death into ``PeerDeadError``, liveness."""
+    """What both proxies share: the actor handle, bounded calls that turn actor death (or a hang) into
+    ``PeerDeadError``, liveness from heartbeats (module docstring)."""
 
     sharding = None  # payloads are descriptors, never device arrays here
     mesh = None
     params = None
+    WAIT_SLICE_S = 0.25  # a call's result is waited for in slices this long, the heartbeat polled in between
 
-    def __init__(self, phase: str, handle: Any, info: dict, *, transfer_timeout_s: float = 30.0):
+    def __init__(self, phase: str, handle: Any, info: dict, *, transfer_timeout_s: float = 30.0,
+                 call_timeout_s: float = 30.0, heartbeat_timeout_s: float = 2.0, max_call_s: float = 600.0):
         self.phase, self.handle, self.info = phase, handle, info
         self.incarnation = info["incarnation"]  # the actor incarnation whose pool this host half describes
         self.num_pages, self.page_size = info["num_pages"], info["page_size"]
         self.pool_dtype = info["pool_dtype"]
         self.allocator = PageAllocator(self.num_pages)
         self.transfer_timeout_s = transfer_timeout_s
+        self.call_timeout_s, self.heartbeat_timeout_s, self.max_call_s = call_timeout_s, heartbeat_timeout_s, max_call_s
         self.lost: Exception | None = None  # a death noticed and not yet handled by the engine
         self.down = False  # lost and handled (pool emptied here), until the restarted actor answers a ping
         self.deaths = 0
+        self.hangs = 0  # calls abandoned because the actor stopped answering (each killed it)
+        self._lock = threading.Lock()  # the heartbeat state: probed from the engine loop and from /health
         self._ping: Any = None
+        self._ping_sent = 0.0
+        self._gone: int | None = None  # the incarnation last lost
         self._handoffs = 0
 
     # ---- calls ----------------------------------------------------------------------------------------------
@@ -90,14 +110,63 @@ class RemoteWorker:
         return self.lost
 
     def call(self, method: str, *args: Any) -> Any:
-        """``actor.method(*args)`` on the incarnation this host half knows, waited for. An actor death, or a
-        restart since (another incarnation answers), raises ``PeerDeadError``; an error raised in the actor is
-        re-raised as itself. While the worker is down (restarting), a call raises ``PeerDeadError`` at once."""
+        """``actor.method(*args)`` on the incarnation this host half knows, waited for (bounded: :meth:`wait`). An
+        actor death, a restart since (another incarnation answers) or a hang raises ``PeerDeadError``; an error
+        raised in the actor is re-raised as itself. While the worker is down (restarting), a call raises
+        ``PeerDeadError`` at once."""
+        return self.wait(self.submit(method, *args), method)
+
+    def submit(self, method: str, *args: Any) -> Any:
+        """Send ``actor.method(*args)`` (the ref of its result; :meth:`wait` for it); ``PeerDeadError`` at once while
+        the worker is down (restarting)."""
         if self.down:
             self.lost = self.lost or PeerDeadError(f"the {self.phase} actor is down (restarting)")
             raise self.lost
+        return self.handle.call.remote(self.incarnation, method, *args)
+
+    def wait(self, ref: Any, what: str, peer: RemoteWorker | None = None, abandon: Any = None,
+             since: float | None = None, incarnation: int | None = None) -> Any:
+        """The result of the call ``ref`` to this actor. Waited for while the actor answers its heartbeat; once
+        it has been silent for ``call_timeout_s``, or the call has run ``max_call_s``, the actor is killed as hung
+        (Ray restarts it) and ``PeerDeadError`` raised. ``peer`` (a transfer's source) is watched too: once it
+        died or hung, ``abandon()`` asks this actor to give the call up, which then ends soon (bounded the same).
+        ``since``: when the call was sent (default: now); ``incarnation``: the one it was sent to (default: the
+        current one; a call to an incarnation gone since raises ``PeerDeadError`` without touching the worker)."""
+        t0 = time.monotonic() if since is None else since
+        incarnation = self.incarnation if incarnation is None else incarnation
+        while not ray.wait([ref], timeout=self.WAIT_SLICE_S)[0]:
+            if incarnation != self.incarnation or self.down:
+                raise PeerDeadError(f"the {self.phase} actor this {what} was sent to is gone")
+            self._watch(what, t0)
+            if peer is not None:
+                try:
+                    peer._watch(what, None)
+                except PeerDeadError:
+                    abandon()
+                    peer = None
+        if incarnation != self.incarnation or self.down:  # its failure is about a pool handled already
+            raise PeerDeadError(f"the {self.phase} actor this {what} was sent to is gone")
+        return self.result(ref)
+
+    def _watch(self, what: str, since: float | None) -> None:
+        """Raise ``PeerDeadError`` if the actor died, or hung: silent for ``call_timeout_s``, or busy in one call
+        (started at ``since``) for ``max_call_s`` -- then it is killed first, so that Ray restarts it."""
+        self.probe(0)
+        if self.lost is None:
+            silent = self.silent_s()
+            ran = 0.0 if since is None else time.monotonic() - since
+            if silent <= self.call_timeout_s and ran <= self.max_call_s:
+                return
+            self.hangs += 1
+            self._dead(f"hung: no heartbeat for {silent:.1f} s during {what}" if silent > self.call_timeout_s
+                       else f"hung: {what} ran {ran:.1f} s")
+            self.kill()
+        raise self.lost
+
+    def result(self, ref: Any) -> Any:
+        """``ray.get`` of a finished call, actor death and the actor's typed errors sorted out."""
         try:
-            return ray.get(self.handle.call.remote(self.incarnation, method, *args))
+            return ray.get(ref)
         except ray.exceptions.RayActorError as e:
             raise self._dead(type(e).__name__) from None
         except ray.exceptions.RayTaskError as e:
@@ -129,31 +198,59 @@ class RemoteWorker:
             return
         if not self.down:
             self.deaths += 1
-        self.lost, self.down = None, True
+        with self._lock:
+            self.lost, self.down = None, True
+            self._gone = self.incarnation  # a hung one killed may still answer (resumed before Ray's kill lands)
+            self._ping = None  # a fresh heartbeat for the restarted incarnation (the old one's may never answer)
+
+    # ---- liveness -------------------------------------------------------------------------------------------
+    def silent_s(self) -> float:
+        """How long the outstanding heartbeat has gone unanswered (as of the last :meth:`probe`)."""
+        ping = self._ping
+        return 0.0 if ping is None else time.monotonic() - self._ping_sent
+
+    def answering(self) -> bool:
+        """The actor answered its heartbeat within ``heartbeat_timeout_s`` (as of the last :meth:`probe`)."""
+        return self.silent_s() <= self.heartbeat_timeout_s
 
     def probe(self, timeout_s: float = 0.0) -> bool:
-        """Whether the actor is up, from a ping kept outstanding (waited up to ``timeout_s``; while it is pending,
-        the last known state). A ping that fails, or a new incarnation while this one was believed up, marks the
-        pool lost; a down worker is up again once its restarted incarnation answers."""
-        if self._ping is None:
-            self._ping = self.handle.ping.remote()
-        ping = self._ping
-        ready, _ = ray.wait([ping], timeout=timeout_s)
-        if not ready:
-            return not self.down and self.lost is None
-        self._ping = None
+        """Whether the actor is up and answering, from a heartbeat ping kept outstanding (waited up to
+        ``timeout_s``). A ping that fails, or a new incarnation while this one was believed up, marks the pool lost;
+        a down worker is up again once its restarted incarnation answers. Safe from any thread."""
+        with self._lock:
+            if self._ping is None:
+                self._ping = self.handle.ping.options(concurrency_group="health").remote()
+                self._ping_sent = time.monotonic()
+            ping = self._ping
+        if ray.wait([ping], timeout=timeout_s)[0]:
+            with self._lock:
+                if self._ping is ping:
+                    self._ping = None
+                    self._answered(ping)
+        return not self.down and self.lost is None and self.answering()
+
+    def _answered(self, ping: Any) -> None:
         try:
             incarnation = ray.get(ping)
         except ray.exceptions.RayError as e:
             if not self.down:
                 self._dead(type(e).__name__)
-            return False
+            return
+        if self.down and incarnation == self._gone:
+            return  # the lost incarnation itself (a hung actor resumed while Ray kills it): not a restart yet
         if self.down:
             self.incarnation, self.down = incarnation, False
             self.on_revived()
         elif incarnation != self.incarnation:
             self._dead("restarted")
-        return not self.down and self.lost is None
+
+    def state(self) -> str | None:
+        """None while up and answering; else what is wrong, for ``/health`` (after a :meth:`probe`)."""
+        if self.down or self.lost is not None:
+            return "down"
+        if not self.answering():
+            return f"not answering (no heartbeat for {self.silent_s():.1f} s)"
+        return None
 
     def on_revived(self) -> None:
         pass
@@ -180,7 +277,14 @@ class RemoteWorker:
         src, desc = staged.source, staged.descriptor
         try:
             src.call("arm", desc, desc.request_id)
-            self.call("pull_land", list(map(int, pages)), desc, self.transfer_timeout_s)
+            ref = self.submit("pull_land", list(map(int, pages)), desc, self.transfer_timeout_s)
+            abandon = lambda: self.handle.abandon_pull.options(concurrency_group="health").remote(desc.uuid)  # noqa: E731
+            try:
+                self.wait(ref, "pull_land", peer=src, abandon=abandon)
+            except Exception:
+                if src.lost is not None:  # the source died or hung mid-pull: its pool is the one lost
+                    raise src.lost from None
+                raise
         finally:
             if src.lost is None:
                 src.handle.release.remote(desc.uuid)  # fire and forget; the staging TTL frees it otherwise
@@ -204,15 +308,42 @@ class RemotePrefill(RemoteWorker):
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         return chunk_groups(chunks, self.max_prefill_tokens)
 
-    def launch(self, group: list[Chunk]) -> Launched:
-        """The actor's chunk step, waited for (the call returns host arrays): a :class:`Launched` already done."""
-        return Launched(*self.call("run_batch", chunk_batch(self.tables, self.page_size, group)), rows=len(group))
+    def launch(self, group: list[Chunk]) -> RemoteLaunched:
+        """The actor's chunk step, sent and not waited for: the engine decodes meanwhile (``overlap_prefill``) and
+        takes its result once :meth:`RemoteLaunched.ready` (or waits for it: bounded, as every call)."""
+        return RemoteLaunched(self, self.submit("run_batch", chunk_batch(self.tables, self.page_size, group)),
+                              len(group))
 
     def shapes(self, max_rows: int, max_chunk: int, max_pages: int) -> list[tuple[int, int, int]]:
         return prefill_shapes(self.tables, self.page_size, self.max_prefill_tokens, max_rows, max_chunk, max_pages)
 
     def warm(self, b: int, c: int, w: int) -> None:
         self.call("run_batch", warm_chunk_batch(b, c, w))
+
+
+class RemoteLaunched:
+    """A chunk step in flight in the prefill actor (``Launched``'s interface: ``ready``, ``result``, ``rows``)."""
+
+    def __init__(self, worker: RemotePrefill, ref: Any, rows: int):
+        self.worker, self.ref, self.rows = worker, ref, rows
+        self.incarnation, self.sent = worker.incarnation, time.monotonic()
+
+    def ready(self) -> bool:
+        """The step finished, or taking its result will raise at once (its actor died or hung, or was restarted)."""
+        if ray.wait([self.ref], timeout=0)[0]:
+            return True
+        w = self.worker
+        if self.incarnation != w.incarnation or w.down:
+            return True
+        try:
+            w._watch("run_batch", self.sent)
+        except PeerDeadError:
+            return True
+        return False
+
+    def result(self) -> tuple[np.ndarray, tuple | None, tuple | None]:
+        first, gen, prompt = self.worker.wait(self.ref, "run_batch", since=self.sent, incarnation=self.incarnation)
+        return np.asarray(first)[: self.rows], gen, prompt
 
 
 class RemoteTracker:

@@ -1,0 +1,457 @@
+"""Faults of the Ray backend while requests stream through the HTTP server: its transfer ports under attack, hung
+(SIGSTOP) actors, a prefill actor killed mid-transfer.
+
+One module-wide deployment as in ``test_ray.py`` (a two-node ``ray.cluster_utils.Cluster`` on this machine, the
+server built by ``launch.build_backend``, the in-process engine of the same config as the reference), with
+``call_timeout_s`` shortened so that a hang past it is quick to reach. Checks:
+
+- garbage, truncated frames, replayed frames and handshakes, frames the protocol does not allow, and a flood of
+  200 connections on each actor's transfer port (``info()["address"]``, the gate) and on its bulk-data port, and
+  forged / replayed descriptors through ``arm``, all while 8 streams run: no actor dies, every stream gives the
+  in-process engine's greedy text, each refusal is counted by kind (the gate's ``port`` counters and the staging
+  area's ``refused`` in ``snapshot()``), nothing leaks;
+- a SIGSTOPped decode actor: ``/health`` is 503 within 5 s, 200 again after SIGCONT, and the streams finish with
+  the reference text; stopped past ``call_timeout_s``, it is killed as hung, its streams end typed
+  (``PeerDeadError``), Ray restarts it and the service heals;
+- a SIGSTOPped prefill actor: decoding streams keep getting tokens, a new request waits and is served after
+  SIGCONT;
+- a prefill actor SIGKILLed between arming a handoff and its pull landing: the pull is abandoned (not timed out),
+  the requests it held are requeued and served with the reference text, the service heals, nothing leaks.
+
+Only loopback traffic; every wait is bounded; a stopped process is always continued (``finally``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import random
+import signal
+import socket
+import struct
+import threading
+import time
+
+import openai
+import pytest
+import ray
+
+from phaseserve.distributed import gate as G
+from phaseserve.distributed.protocol import ForgedDescriptorError, StaleDescriptorError, deployment_secret
+from phaseserve.distributed.transfer import DescriptorAuth
+from phaseserve.engine import Engine
+from phaseserve.server import EngineBackend
+from phaseserve.server.launch import build_backend, compose
+from tests.e2e.test_ray import (
+    MODEL,
+    OVERRIDES,
+    TOK,
+    _client,
+    _health,
+    _in_loop,
+    _no_leaks,
+    _serve,
+    _stream,
+    _texts,
+    _until,
+)
+
+CALL_TIMEOUT_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill": 1},
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"decode": 1})
+    cluster.wait_for_nodes()
+    cfg = compose(OVERRIDES + ["experiment.backend=ray", f"experiment.ray.address={cluster.address}",
+                               "+experiment.ray.prefill.resources.prefill=1",
+                               "+experiment.ray.decode.resources.decode=1",
+                               f"+experiment.ray.call_timeout_s={CALL_TIMEOUT_S}"])
+    backend = build_backend(cfg)
+    engine = backend.engine
+    engine.warm_handoff()
+    app, srv, thread, base = _serve(backend)
+    ref = Engine.from_hydra(compose(OVERRIDES))
+    ref_app, ref_srv, ref_thread, ref_base = _serve(EngineBackend(ref))
+    yield {"engine": engine, "cluster": cluster, "base": base, "ref_base": ref_base, "app": app, "ref_app": ref_app}
+    for s, t in ((srv, thread), (ref_srv, ref_thread)):
+        s.should_exit = True
+        t.join(30)
+    engine.close()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _info(engine, phase: str) -> dict:
+    """The actor's own account of itself now (its incarnation, pid, transfer address)."""
+    return ray.get(engine.actors[phase].info.remote(), timeout=60)
+
+
+def _snapshot(engine, phase: str) -> dict:
+    w = engine.phases[phase]
+    return ray.get(w.handle.call.remote(w.incarnation, "snapshot"), timeout=60)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """SIGSTOP ``pid`` for the block; SIGCONT after it whatever happens (unless the process is gone)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _streams_in_background(deployment: dict, prompts: list[str], max_tokens: int) -> concurrent.futures.Future:
+    """``_texts`` of the Ray server in a thread (a burst admitted in one engine step): the future of the texts."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    fut = pool.submit(_texts, deployment, "base", prompts, max_tokens)
+    pool.shutdown(wait=False)
+    return fut
+
+
+def _until_status(base: str, status: int, timeout_s: float) -> float:
+    """Seconds until ``/health`` answers ``status`` (asserts it does within ``timeout_s``)."""
+    t0 = time.monotonic()
+    while _health(base) != status:
+        assert time.monotonic() - t0 < timeout_s, f"/health did not turn {status} within {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+# ---- the transfer ports -------------------------------------------------------------------------------------
+def _frame(body: bytes) -> bytes:
+    return struct.pack("<I", len(body)) + body
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _len_field(num: int, body: bytes) -> bytes:
+    return _varint(num << 3 | 2) + _varint(len(body)) + body
+
+
+def _pull_frame(uuid: int) -> bytes:
+    """A well-formed pull request (jax 0.10.2's ``SocketTransferRequest.pull``): uuid, buffer ids [0], req id 0."""
+    return _frame(_len_field(1, _varint(1 << 3) + _varint(uuid) + _len_field(2, b"\0") + _varint(3 << 3) + b"\0"))
+
+
+def _bulk_frame(address: bytes = b"127.0.0.1:1") -> bytes:
+    """A well-formed bulk-transport setup (``SocketTransferRequest.bulk_transport``) naming ``address``."""
+    return _frame(_len_field(3, _len_field(2, address)))
+
+
+def _send(address: str, payload: bytes, wait_s: float = 0.2, hello: bool = True) -> bytes:
+    """Connect to ``address`` (loopback), take the gate's hello first (``hello``), send ``payload``, read what comes
+    back within ``wait_s`` more, close; everything received."""
+    with socket.create_connection(_host_port(address), timeout=10) as s:
+        got = (G._recv_exact(s, len(G.GATE_MAGIC) + G.NONCE) or b"") if hello else b""
+        with contextlib.suppress(OSError):
+            s.sendall(payload)
+        s.settimeout(wait_s)
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(4096):
+                got += chunk
+        return got
+
+
+def _authenticated(address: str, key: bytes) -> tuple[socket.socket, bytes]:
+    """A connection to the gate at ``address`` past its handshake (``key``: the deployment's), and the bytes this
+    side sent in the handshake."""
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+    hello = G._recv_exact(s, len(G.GATE_MAGIC) + G.NONCE)
+    mine = os.urandom(G.NONCE)
+    sent = mine + G._proof(key, b"c", hello[len(G.GATE_MAGIC):], mine)
+    s.sendall(sent)
+    assert G._recv_exact(s, G.MAC) == G._proof(key, b"s", hello[len(G.GATE_MAGIC):], mine)
+    return s, sent
+
+
+def _closed_by_peer(s: socket.socket, payload: bytes) -> bool:
+    """Send ``payload`` on an authenticated connection and end this side's writing (a truncated frame is one the
+    peer stopped sending); True once the gate has closed the connection."""
+    with s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(5)
+        try:
+            while s.recv(4096):
+                pass
+        except TimeoutError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
+def _attack(address: str, key: bytes, rng: random.Random) -> dict[str, int]:
+    """Everything a stranger (or a broken peer) can throw at one transfer port; the refusals it should cause."""
+    unauth = [b"\0" * 64, b"\0" * 4, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", _pull_frame(1)[:7],
+              b"\x00\x00\x10\x00" + b"x" * 60, _bulk_frame() + _pull_frame(1 << 60), _pull_frame(1 << 60)]
+    unauth += [rng.randbytes(64) for _ in range(8)]
+    for payload in unauth:
+        assert len(_send(address, payload)) == len(G.GATE_MAGIC) + G.NONCE  # the gate's hello, and no jax frame
+    s, recorded = _authenticated(address, key)
+    s.close()
+    assert _send(address, recorded, wait_s=1.0)[len(G.GATE_MAGIC) + G.NONCE:] == b""  # a replayed handshake
+    socks = []
+    try:
+        for _ in range(200):  # a flood: 200 connections opened, then closed
+            socks.append(socket.create_connection(_host_port(address), timeout=5))
+    finally:
+        for c in socks:
+            c.close()
+    # past the handshake (a peer holding the secret, broken): each frame the protocol does not allow is refused
+    bad = [b"\0" * 4, _pull_frame(12345), _frame(b"\x08\x01"), _bulk_frame() + _frame(_len_field(2, b"\x08\x00")),
+           _bulk_frame() + _bulk_frame(), _bulk_frame() + b"\xff\xff\xff\xff", _bulk_frame() + _pull_frame(7)[:9]]
+    for payload in bad:
+        assert _closed_by_peer(_authenticated(address, key)[0], payload)
+    # the jax server's bulk-data port (learned from its answer to a bulk setup): garbage and a flood there too
+    s, _ = _authenticated(address, key)
+    with s:
+        s.sendall(_bulk_frame())
+        (n,) = struct.unpack("<I", G._recv_exact(s, 4))
+        reply = G._recv_exact(s, n)
+    (kind, _, setup), = G._fields(reply)
+    bulk = next(v for num, _, v in G._fields(setup) if num == 2).decode()
+    assert kind == G.BULK
+    for payload in [b"\0" * 64, b"\0" * 8, b"\xff" * 64] + [rng.randbytes(256) for _ in range(4)]:
+        _send(bulk, payload, hello=False)
+    socks = [socket.create_connection(_host_port(bulk), timeout=5) for _ in range(100)]
+    for c in socks:
+        c.close()
+    return {"unauthenticated_or_busy": len(unauth) + 1 + 200, "frame": len(bad), "authenticated": len(bad) + 2}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    assert host in ("127.0.0.1", "[::1]"), address
+    return host.strip("[]"), int(port)
+
+
+def _forge_through_arm(engine) -> dict[str, int]:
+    """Forged, foreign, altered and replayed descriptors through the prefill actor's ``arm``, beside the engine
+    (the actor serializes the calls): each refused typed. A descriptor of the null page is staged and released."""
+    w = engine.prefill
+    call = lambda *a: ray.get(w.handle.call.remote(w.incarnation, *a), timeout=60)  # noqa: E731
+    desc = call("stage", [0], None, "attacker")
+    refused = {}
+
+    def refuse(bad, kind, typ=StaleDescriptorError):
+        with pytest.raises(typ) as e:
+            call("arm", bad, desc.request_id)
+        assert e.value.kind == kind
+        refused[kind] = refused.get(kind, 0) + 1
+
+    try:
+        refuse(desc.replace(length=desc.length + 1), "forged", ForgedDescriptorError)  # altered after signing
+        refuse(DescriptorAuth(b"another deployment's secret").sign(desc), "forged", ForgedDescriptorError)
+        refuse(DescriptorAuth().sign(desc.replace(uuid=desc.uuid + 10**6)), "unknown")
+        call("arm", desc, desc.request_id)  # armed once (never pulled: released below)
+        refuse(desc, "replayed")
+        refuse(desc, "replayed")
+    finally:
+        assert call("release", desc.uuid)
+    return refused
+
+
+def test_attacks_on_the_transfer_ports_while_streaming_change_nothing(deployment):
+    engine, rng = deployment["engine"], random.Random(0)
+    key = G.gate_key(deployment_secret())
+    before = {p: (_info(engine, p), _snapshot(engine, p)) for p in ("prefill", "decode")}
+    prompts = [f"def attacked{i}(x):\n    return x * {i} + " for i in range(8)]
+    fut = _streams_in_background(deployment, prompts, max_tokens=64)
+    steps = engine.metrics.decode_steps
+    _until(lambda: engine.metrics.decode_steps > steps + 2, "the streams to decode")
+    expected = {p: _attack(before[p][0]["address"], key, rng) for p in ("prefill", "decode")}
+    forged = _forge_through_arm(engine)
+    got = fut.result(timeout=300)
+    assert got == _texts(deployment, "ref_base", prompts, max_tokens=64)
+    for p in ("prefill", "decode"):
+        info, snap = _info(engine, p), _snapshot(engine, p)
+        assert (info["pid"], info["incarnation"]) == (before[p][0]["pid"], before[p][0]["incarnation"])
+        old, new = before[p][1]["port"], snap["port"]
+        delta = {k: new["refused"].get(k, 0) - old["refused"].get(k, 0) for k in ("unauthenticated", "busy", "frame")}
+        assert delta["unauthenticated"] + delta["busy"] == expected[p]["unauthenticated_or_busy"], (p, delta)
+        assert delta["frame"] == expected[p]["frame"], (p, delta)
+        assert new["authenticated"] - old["authenticated"] >= expected[p]["authenticated"]
+    refused = _snapshot(engine, "prefill")["refused"]
+    for kind, n in forged.items():
+        assert refused.get(kind, 0) - before["prefill"][1]["refused"].get(kind, 0) == n, (kind, refused)
+    assert engine.prefill.deaths == engine.decode.deaths == 0 and engine.prefill.hangs == engine.decode.hangs == 0
+    _in_loop(deployment["app"], _no_leaks)
+
+
+# ---- hung and killed actors -----------------------------------------------------------------------------------
+def _stream_into(base: str, prompt: str, max_tokens: int, chunks: list) -> str:
+    """One greedy stream; each chunk's arrival time appended to ``chunks``."""
+    stream = _client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    text = ""
+    for c in stream:
+        if c.choices and c.choices[0].text:
+            text += c.choices[0].text
+            chunks.append(time.monotonic())
+    return text
+
+
+def _burst(deployment: dict, prompts: list[str], max_tokens: int, chunks: list) -> concurrent.futures.Future:
+    """Streams from the Ray server admitted in one engine step (as ``_texts``: the loop held until every request
+    waits in its inbox), in the background; the future of their texts (each an exception if it failed)."""
+    loop = deployment["app"].state.loops[0]
+    gate = threading.Event()
+    held = loop.run_exclusive(lambda backend: gate.wait(300))
+    pool = concurrent.futures.ThreadPoolExecutor(len(prompts) + 1)
+    try:
+        _until(held.running, "the engine loop to be held")
+        futs = [pool.submit(_stream_into, deployment["base"], p, max_tokens, chunks) for p in prompts]
+        _until(lambda: loop.queued >= len(prompts), "every request to wait in the inbox")
+    finally:
+        gate.set()
+    done = pool.submit(lambda: [f.exception(timeout=300) or f.result() for f in futs])
+    pool.shutdown(wait=False)
+    return done
+
+
+def test_a_stopped_decode_actor_is_reported_within_5_s_and_resumes_after_sigcont(deployment):
+    engine, base = deployment["engine"], deployment["base"]
+    info = _info(engine, "decode")
+    prompts = [f"def paused{i}(x):\n    return x - {i} * " for i in range(4)]
+    chunks: list[float] = []
+    fut = _burst(deployment, prompts, 120, chunks)
+    _until(lambda: len(chunks) >= 8, "the streams to get text")
+    with _stopped(info["pid"]):
+        t_503 = _until_status(base, 503, 5.0)
+        assert "decode actor is not answering" in _health_text(base)
+        n = len(chunks)
+        time.sleep(1.0)
+        assert len(chunks) - n <= len(prompts), "tokens kept coming from a stopped decode actor"
+        assert t_503 + 1.0 < CALL_TIMEOUT_S - 2  # resumed well before the engine gives the actor up
+    _until_status(base, 200, 10.0)
+    got = fut.result(timeout=300)
+    assert got == _texts(deployment, "ref_base", prompts, max_tokens=120)
+    assert _info(engine, "decode")["incarnation"] == info["incarnation"]
+    assert engine.decode.hangs == 0 and engine.decode.deaths == 0
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def test_a_decode_actor_stopped_past_the_call_timeout_is_killed_its_streams_end_typed_and_the_service_heals(
+        deployment):
+    engine, base = deployment["engine"], deployment["base"]
+    info, deaths = _info(engine, "decode"), engine.decode.deaths
+    prompts = [f"def hung{i}(x):\n    return x + {i} - " for i in range(4)]
+    chunks: list[float] = []
+    fut = _burst(deployment, prompts, 200, chunks)
+    _until(lambda: len(chunks) >= 8, "the streams to get text")
+    t0 = time.monotonic()
+    with _stopped(info["pid"]):
+        outcomes = fut.result(timeout=CALL_TIMEOUT_S + 20)  # the streams end once the engine gives the actor up
+        waited = time.monotonic() - t0
+    assert CALL_TIMEOUT_S - 1.0 <= waited <= CALL_TIMEOUT_S + 6.0, waited
+    assert all(isinstance(o, openai.APIError) and "PeerDeadError" in str(o) and "hung" in str(o)
+               for o in outcomes), outcomes
+    _until_status(base, 200, 180.0)
+    assert engine.decode.hangs == 1 and engine.decode.deaths == deaths + 1 and engine.prefill.deaths == 0
+    assert _info(engine, "decode")["incarnation"] != info["incarnation"]
+    fresh = [f"class Healed{i}:\n    size = {i} + " for i in range(4)]
+    assert _texts(deployment, "base", fresh) == _texts(deployment, "ref_base", fresh)
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def test_a_stopped_prefill_actor_lets_decoding_streams_go_on(deployment):
+    engine, base = deployment["engine"], deployment["base"]
+    info = _info(engine, "prefill")
+    prompts = [f"def going{i}(x):\n    return x * x - {i} + " for i in range(4)]
+    chunks: list[float] = []
+    fut = _burst(deployment, prompts, 200, chunks)
+    _until(lambda: len(chunks) >= 8, "the streams to get text")
+    late_prompt = "class Late:\n    stopped = "
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, _stopped(info["pid"]):
+        _until_status(base, 503, 5.0)
+        assert "prefill actor is not answering" in _health_text(base)
+        late = pool.submit(_stream, base, late_prompt)  # needs the stopped prefill actor: waits
+        n = len(chunks)
+        time.sleep(2.0)
+        assert len(chunks) - n >= 8, "the decoding streams stalled behind the stopped prefill actor"
+        assert not late.done()
+    _until_status(base, 200, 10.0)
+    assert len(TOK.encode(late.result(timeout=120))) >= 8
+    texts = fut.result(timeout=300)
+    assert all(isinstance(t, str) and len(TOK.encode(t)) >= 150 for t in texts), texts
+    assert _info(engine, "prefill")["incarnation"] == info["incarnation"]
+    assert engine.prefill.hangs == 0 and engine.prefill.deaths == 0
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def _kill_prefill_mid_handoff(deployment: dict, worker, method: str, tag: str) -> float:
+    """SIGKILL the prefill actor as soon as the engine's ``worker`` sends ``method`` (a handoff's ``arm`` to the
+    prefill actor, or its ``pull_land`` to the decode actor) for a burst of 6 fresh prompts; check that the burst
+    is then served with the reference text (requeued: none had emitted a token). The seconds from the kill to the
+    engine handling the death."""
+    engine = deployment["engine"]
+    pid, deaths = _info(engine, "prefill")["pid"], engine.prefill.deaths
+    killed: list[float] = []
+    name = "call" if method == "arm" else "submit"
+    send = getattr(worker, name)
+
+    def kill_when_sent(m, *args):
+        out = send(m, *args)
+        if m == method and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+        return out
+
+    setattr(worker, name, kill_when_sent)
+    try:
+        prompts = [f"def {tag}{i}(x):\n    return x // {i + 1} + " for i in range(6)]
+        fut = _burst(deployment, prompts, 24, [])
+        _until(lambda: killed, f"a handoff's {method}")
+        _until(lambda: engine.prefill.deaths > deaths, "the engine to handle the prefill actor's death", 40.0)
+        handled = time.monotonic() - killed[0]
+        got = fut.result(timeout=300)
+    finally:
+        delattr(worker, name)
+    assert got == _texts(deployment, "ref_base", prompts, max_tokens=24)
+    assert engine.prefill.deaths == deaths + 1 and _info(engine, "prefill")["pid"] != pid
+    _until_status(deployment["base"], 200, 60.0)
+    return handled
+
+
+def test_a_prefill_actor_killed_mid_transfer_requeues_its_requests_and_the_service_heals(deployment):
+    engine = deployment["engine"]
+    before, decode_deaths = _snapshot(engine, "decode"), engine.decode.deaths
+    # killed once it armed the handoff (the decode actor's pull then starts against a dead peer), then once the
+    # pull was sent (the kill races the bytes): either way the pull is abandoned at once, not at its deadline
+    handled = [_kill_prefill_mid_handoff(deployment, engine.prefill, "arm", "armed"),
+               _kill_prefill_mid_handoff(deployment, engine.decode, "pull_land", "pulled")]
+    assert max(handled) < 5.0, handled  # far below transfer_timeout_s (30 s)
+    after = _snapshot(engine, "decode")
+    assert after.get("timeouts", 0) == before.get("timeouts", 0)
+    failed = sum(after.get(k, 0) - before.get(k, 0) for k in ("abandoned", "transfer_errors"))
+    assert failed == 2, (before, after)
+    assert engine.decode.deaths == decode_deaths
+    _in_loop(deployment["app"], _no_leaks)
+
+
+def _health_text(base: str) -> str:
+    import http.client
+
+    host, port = _host_port(base.split("//")[1])
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/health")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
