@@ -16,24 +16,21 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # CPU: prefill + decode devices
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import phaseserve as ps  # noqa: E402
 import phaseserve.quiet  # noqa: E402, F401  (no backend-probe INFO lines)
 from lab.eval.demo import default_model_path, describe_engine, measured_lines, show_default_model  # noqa: E402
 from lab.eval.generation import engine_generate_fn  # noqa: E402
+from phaseserve.config_hydra import BenchConfig, serve_config  # noqa: E402
 
 
-def serve_config(cfg: DictConfig) -> ps.ServeConfig:
-    q, c = cfg.quant, cfg.cache
-    return ps.ServeConfig(
-        mode=cfg.mode,
-        quant=ps.QuantConfig(prefill_weights=q.prefill_weights, decode_weights=q.decode_weights, kv_dtype=q.kv_dtype,
-                             prefill_kv_dtype=q.prefill_kv_dtype, int4_group_size=q.int4_group_size),
-        cache=ps.CacheConfig(page_size=c.page_size, kv_budget_bytes=int(c.kv_budget_bytes),
-                             max_pages_per_seq=c.max_pages_per_seq, integrity=c.integrity, admission=c.admission),
-        max_batch=cfg.max_batch,
-    )
+def engine_tree(cfg: DictConfig) -> DictConfig:
+    """``configs/serve.yaml``'s engine settings as the experiments' tree (its ``quant`` and ``cache`` nodes, ``mode``
+    and ``max_batch`` as ``engine.*``, over the schema's defaults), for the one Hydra -> ``ServeConfig`` translation,
+    :func:`phaseserve.config_hydra.serve_config`."""
+    return OmegaConf.merge(OmegaConf.structured(BenchConfig), {
+        "quant": cfg.quant, "cache": cfg.cache, "engine": {"mode": cfg.mode, "max_batch": cfg.max_batch}})
 
 
 def demo(engine: ps.Engine, cfg: DictConfig, show=print) -> None:
@@ -48,7 +45,7 @@ def demo(engine: ps.Engine, cfg: DictConfig, show=print) -> None:
 def run(cfg: DictConfig) -> None:
     path = cfg.checkpoint or default_model_path()
     model_cfg, params = ps.load_checkpoint(path, dtype=cfg.dtype)
-    engine = ps.Engine(model_cfg, params, serve_config(cfg))
+    engine = ps.Engine(model_cfg, params, serve_config(engine_tree(cfg), model_cfg))
     print(describe_engine(engine, os.path.relpath(path)))
     demo(engine, cfg, show=lambda *_: None)  # once unprinted: compiles every shape, so the measured run has none
     engine.reset_metrics()

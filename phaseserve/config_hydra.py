@@ -8,10 +8,16 @@ or a wrong type is an error at composition time::
     quant:    QuantSpec      -> QuantConfig   (field for field)
     cache:    CacheSpec      -> CacheConfig   (+ ``kv_budget_requests``: size the byte budget by the workload)
     mesh:     MeshSpec       -> MeshConfig    (+ ``host_devices``: simulated CPU devices)
-    engine:   EngineSpec     -> ServeConfig's mode, max_batch, max_prefill_tokens, max_context, seed, overlap_prefill,
-                              decoding_prefill_tokens, prefill_in_flight, decode_lookahead, decode_hit_suffix
+    engine:   EngineSpec     -> ServeConfig's own fields (+ the engine's ``attn_impl``, ``matmul_impl``)
     workload: WorkloadSpec   lengths, arrivals, concurrency (played by :mod:`lab.bench.workload`)
     experiment: free-form    validated by each experiment against its own dataclass (``bench.schema``)
+
+The four engine nodes are generated from the dataclasses (:func:`_spec`), and :func:`serve_config` reads them back
+field for field, so every ``ServeConfig`` field is a Hydra key (``cache.preemption``, ``engine.seed``) and a field
+added to :mod:`phaseserve.config` is one at once: the only Hydra-side facts are the tables ``NODES``, ``SWEEPS``,
+``HYDRA_DEFAULTS``, ``HYDRA_ONLY`` and ``NOT_FROM_HYDRA`` (empty). ``tests/unit/test_hydra_schema.py`` sets every
+field through ``configs/config.yaml`` and ``configs/server.yaml``. ``experiments/serve.py`` goes through the same
+translation.
 
 Sweep axes. A few fields accept either one value or a list: ``quant.kv_dtype``, ``quant.prefill_weights``,
 ``quant.decode_weights``, ``cache.integrity``, ``workload.concurrency`` (and each experiment's arm list). A list
@@ -27,8 +33,12 @@ This module sits beside the configs, below the engine: ``Engine.from_hydra`` cal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,64 +73,71 @@ class ModelSpec:
     seed: int = 0  # random weights
 
 
-@dataclass
-class QuantSpec:
-    """Per-phase representations (:class:`~phaseserve.config.QuantConfig`). Policy strings: quant/policy.py."""
-
-    prefill_weights: Any = "bfloat16"  # str, or a list swept in one process
-    decode_weights: Any = "bfloat16"  # str, or a list
-    kv_dtype: Any = "bfloat16"  # decode cache storage (QuantConfig.kv_dtype): str, or a list
-    prefill_kv_dtype: str = "bfloat16"  # dtype prefill computes KV in (QuantConfig.prefill_kv_dtype)
-    int4_group_size: int = 128
-    fp8_block: list[int] | None = field(default_factory=lambda: [128, 128])  # None: per-channel scales
-
-
-@dataclass
-class CacheSpec:
-    """The paged decode cache (:class:`~phaseserve.config.CacheConfig`). One of the three sizes is used."""
-
-    page_size: int = 16
-    num_pages: int | None = None  # explicit page count (null page included) ...
-    kv_budget_bytes: int | None = None  # ... or a byte budget (pages then depend on the KV dtype) ...
-    kv_budget_requests: float | None = None  # ... or bytes that hold this many workload requests in budget_dtype
-    budget_dtype: str = "bfloat16"  # dtype kv_budget_requests is counted in
-    max_pages_per_seq: int | None = 16  # null: enough pages for engine.max_context (ServeConfig derives it)
-    integrity: Any = True  # bool, or a list
-    admission: str = "reserve"  # "reserve" | "on_demand"
-    prefix_caching: bool = True  # prompt pages shared by hash between requests
-    retain_prefixes: bool = False  # and kept after their requests end until reissued (vLLM's APC)
+# The engine's nodes are generated from the dataclasses of phaseserve.config, so a field added there is a Hydra key
+# at once (tests/unit/test_hydra_schema.py sets every one through configs/config.yaml and configs/server.yaml).
+# Where Hydra differs from the dataclasses, the four tables below say how; nothing else is written twice.
+NODES = {"quant": QuantConfig, "cache": CacheConfig, "mesh": MeshConfig, "engine": ServeConfig}  # node -> dataclass;
+# ServeConfig's nested configs are the nodes of their field names, its other fields the `engine` node
+SWEEPS = {"quant": ("prefill_weights", "decode_weights", "kv_dtype"), "cache": ("integrity",)}  # one value or a list
+HYDRA_DEFAULTS = {
+    "cache.max_pages_per_seq": 16,  # the default model's 256-token context (null: derived from engine.max_context)
+    "engine.max_batch": None,  # null: the workload's (largest) concurrency
+}
+HYDRA_ONLY = {  # keys that are not fields of the dataclasses: (name, type, default)
+    "cache": [("kv_budget_requests", float | None, None),  # a byte budget that holds this many workload requests ...
+              ("budget_dtype", str, "bfloat16")],  # ... in this KV dtype (budget_bytes_for_requests)
+    "mesh": [("host_devices", int, 2)],  # CPU only: simulated devices, applied before JAX starts (jax_num_cpu_devices)
+    "engine": [("attn_impl", str, "auto"),  # "auto" | "pallas" | "reference" (Engine(attn_impl=...))
+               ("matmul_impl", str, "auto")],  # quantized-weight matmuls, the same choices (Engine(matmul_impl=...))
+}
+NOT_FROM_HYDRA: dict[str, str] = {}  # ServeConfig field path ("cache.x", "seed") -> why Hydra cannot set it: none
 
 
-@dataclass
-class MeshSpec:
-    """Device sets (:class:`~phaseserve.config.MeshConfig`)."""
-
-    host_devices: int = 2  # CPU only: simulated devices, applied before JAX starts (jax_num_cpu_devices)
-    prefill_devices: list[int] | None = None  # indices into jax.devices(); None: first prefill_tp devices
-    decode_devices: list[int] | None = None  # None: the next decode_tp * decode_ep devices
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    decode_ep: int = 1
-    replicas: int = 1  # data-parallel engine replicas (ReplicatedEngine), each over its own block of devices
-    replica_devices: str = "blocks"  # blocks: a device block each; shared: all devices each, compiled steps shared
+def _hydra_type(hint: Any) -> Any:
+    """The OmegaConf type of a dataclass field's type: OmegaConf has lists where the dataclasses keep tuples
+    (``tuple[int, ...] | None`` -> ``list[int] | None``; :func:`_config` turns them back)."""
+    if isinstance(hint, types.UnionType):
+        return functools.reduce(operator.or_, (_hydra_type(a) for a in typing.get_args(hint)))
+    if typing.get_origin(hint) is tuple:
+        return list[typing.get_args(hint)[0]]
+    return hint
 
 
-@dataclass
-class EngineSpec:
-    """The rest of :class:`~phaseserve.config.ServeConfig`, and engine keyword arguments."""
+def _spec_default(value: Any) -> Any:
+    """A dataclass field default: a tuple becomes a fresh list each time (OmegaConf's lists are mutable)."""
+    if isinstance(value, tuple | list):
+        return field(default_factory=lambda v=tuple(value): list(v))
+    return field(default=value)
 
-    mode: str = "disaggregated"  # "disaggregated" | "colocated"
-    max_batch: int | None = None  # concurrency cap; None: the workload's (largest) concurrency
-    max_prefill_tokens: int = 2048
-    max_context: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0
-    overlap_prefill: bool = True  # decode steps run while a launched prefill computes
-    decoding_prefill_tokens: int | None = 256  # prompt tokens per prefill launch while requests decode (None: all)
-    prefill_in_flight: int = 1  # prefill launches queued on the prefill mesh at once
-    decode_lookahead: bool = True  # launch the next decode step before reading this one's tokens
-    decode_hit_suffix: bool = True  # a prefix hit's last token runs as a decode row (no prefill launch)
-    attn_impl: str = "auto"  # "auto" | "pallas" | "reference" (Engine(attn_impl=...))
-    matmul_impl: str = "auto"  # quantized-weight matmuls, same choices (Engine(matmul_impl=...))
+
+def _spec(name: str, node: str, doc: str) -> type:
+    """The structured config of Hydra node ``node``: a field for each field of its dataclass (nested configs are
+    nodes of their own), typed as OmegaConf types it, with the dataclass's default unless ``HYDRA_DEFAULTS`` says
+    otherwise; ``SWEEPS`` take a list too; then the node's ``HYDRA_ONLY`` keys."""
+    cls = NODES[node]
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        path = f.name if node == "engine" else f"{node}.{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]) or path in NOT_FROM_HYDRA:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = HYDRA_DEFAULTS.get(f"{node}.{f.name}", default)
+        typ = Any if f.name in SWEEPS.get(node, ()) else _hydra_type(hints[f.name])
+        if default is None and type(None) not in typing.get_args(typ) and typ is not Any:
+            typ = typ | None
+        specs.append((f.name, typ, _spec_default(default)))
+    specs += [(k, typ, _spec_default(default)) for k, typ, default in HYDRA_ONLY.get(node, [])]
+    return dataclasses.make_dataclass(name, specs, namespace={"__doc__": doc, "__module__": __name__})
+
+
+QuantSpec = _spec("QuantSpec", "quant", "Per-phase representations (:class:`~phaseserve.config.QuantConfig`), "
+                  "field for field. Policy strings: quant/policy.py.")
+CacheSpec = _spec("CacheSpec", "cache", "The paged decode cache (:class:`~phaseserve.config.CacheConfig`): at most "
+                  "one of ``num_pages``, ``kv_budget_bytes``, ``kv_budget_requests`` (none: ``memory_fraction``).")
+MeshSpec = _spec("MeshSpec", "mesh", "Device sets (:class:`~phaseserve.config.MeshConfig`), and ``host_devices``.")
+EngineSpec = _spec("EngineSpec", "engine", "The rest of :class:`~phaseserve.config.ServeConfig`, and the engine's "
+                   "``attn_impl`` / ``matmul_impl`` keyword arguments.")
 
 
 @dataclass
@@ -270,38 +287,42 @@ def budget_bytes_for_requests(model_cfg: ModelConfig, cfg: DictConfig) -> int:
     return pages * kv_bytes_per_page(model_cfg, canonical_dtype(c.budget_dtype), c.page_size)
 
 
+def _config(node_name: str, node: Any, **given: Any) -> Any:
+    """The dataclass of Hydra node ``node_name`` (``NODES``) from ``node``, field for field: the node's value of
+    every field it holds (a list becomes the tuple the dataclass keeps; a sweep axis must hold one value), the
+    dataclass's default for any it lacks, ``given`` in place of both."""
+    cls = NODES[node_name]
+    values = to_container(node) if node is not None else {}
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            v = values[f.name]
+            if f.name in SWEEPS.get(node_name, ()):
+                v = single(v, f"{node_name}.{f.name}")
+            kw[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**(kw | given))
+
+
 def serve_config(cfg: DictConfig, model_cfg: ModelConfig) -> ServeConfig:
-    """The :class:`ServeConfig` of a composed config whose sweep axes hold single values."""
-    q, c, m, e = cfg.quant, cfg.cache, cfg.mesh, cfg.engine
-    quant = QuantConfig(
-        prefill_weights=str(single(q.prefill_weights, "quant.prefill_weights")),
-        decode_weights=str(single(q.decode_weights, "quant.decode_weights")),
-        kv_dtype=canonical_dtype(str(single(q.kv_dtype, "quant.kv_dtype"))),
-        prefill_kv_dtype=canonical_dtype(q.prefill_kv_dtype), int4_group_size=int(q.int4_group_size),
-        fp8_block=tuple(q.fp8_block) if q.fp8_block is not None else None)
+    """The :class:`ServeConfig` of a composed config whose sweep axes hold single values: the ``quant``, ``cache``,
+    ``mesh`` and ``engine`` nodes field for field (a missing node or key: the dataclass's default), but for the KV
+    dtypes (canonical names), the cache's size (``kv_budget_requests`` becomes bytes; none of the three sizes:
+    ``memory_fraction`` of the free accelerator memory) and ``engine.max_batch`` (null: the workload's largest
+    concurrency)."""
+    q, c, e = cfg.quant, cfg.cache, cfg.get("engine") or {}
+    quant = _config("quant", q, kv_dtype=canonical_dtype(str(single(q.get("kv_dtype", "bfloat16"), "quant.kv_dtype"))),
+                    prefill_kv_dtype=canonical_dtype(str(q.get("prefill_kv_dtype", "bfloat16"))))
     sizes = [k for k in ("num_pages", "kv_budget_bytes", "kv_budget_requests") if c.get(k) is not None]
-    if len(sizes) != 1:
-        raise ConfigError(f"cache needs exactly one of num_pages, kv_budget_bytes, kv_budget_requests; got {sizes}")
-    budget = c.kv_budget_bytes
-    if c.kv_budget_requests is not None:
-        budget = budget_bytes_for_requests(model_cfg, cfg)
-    cache = CacheConfig(page_size=int(c.page_size), num_pages=c.num_pages, kv_budget_bytes=budget,
-                        max_pages_per_seq=None if c.max_pages_per_seq is None else int(c.max_pages_per_seq),
-                        integrity=bool(single(c.integrity, "cache.integrity")), admission=str(c.admission),
-                        prefix_caching=bool(c.get("prefix_caching", True)),
-                        retain_prefixes=bool(c.get("retain_prefixes", False)))
-    mesh = MeshConfig(prefill_devices=tuple(m.prefill_devices) if m.prefill_devices is not None else None,
-                      decode_devices=tuple(m.decode_devices) if m.decode_devices is not None else None,
-                      prefill_tp=int(m.prefill_tp), decode_tp=int(m.decode_tp), decode_ep=int(m.decode_ep),
-                      replicas=int(m.replicas), replica_devices=str(m.get("replica_devices", "blocks")))
-    max_batch = e.max_batch if e.max_batch is not None else max(int(x) for x in as_list(cfg.workload.concurrency))
-    return ServeConfig(mode=str(e.mode), quant=quant, cache=cache, mesh=mesh, max_batch=int(max_batch),
-                       max_prefill_tokens=int(e.max_prefill_tokens), max_context=e.max_context, seed=int(e.seed),
-                       overlap_prefill=bool(e.get("overlap_prefill", True)),
-                       decoding_prefill_tokens=e.get("decoding_prefill_tokens", 256),
-                       prefill_in_flight=int(e.get("prefill_in_flight", 1)),
-                       decode_lookahead=bool(e.get("decode_lookahead", True)),
-                       decode_hit_suffix=bool(e.get("decode_hit_suffix", True)))
+    if len(sizes) > 1:
+        raise ConfigError(f"cache sizes its pool by exactly one of num_pages, kv_budget_bytes, kv_budget_requests, "
+                          f"or by cache.memory_fraction of the free accelerator memory with none; got {sizes}")
+    budget = budget_bytes_for_requests(model_cfg, cfg) if c.get("kv_budget_requests") is not None \
+        else c.get("kv_budget_bytes")
+    max_batch = e.get("max_batch")
+    if max_batch is None:
+        max_batch = max(int(x) for x in as_list(cfg.workload.concurrency))
+    return _config("engine", e, quant=quant, cache=_config("cache", c, kv_budget_bytes=budget),
+                   mesh=_config("mesh", cfg.get("mesh")), max_batch=int(max_batch))
 
 
 def serve_config_from_hydra(cfg: DictConfig) -> tuple[ModelConfig, Any, ServeConfig]:
