@@ -177,31 +177,14 @@ def test_tokenize_detokenize_and_tokenizer_info_agree_with_the_shipped_hf_tokeni
 
 
 # ---- a checkpoint with its own Hugging Face tokenizer and chat template -------------------------------------
-WORDS = [f"\u2581{a}" for a in "abcdefghijklmnopqrstuvwxyz"] + [f"\u2581{a}{b}" for a in "aeiou" for b in "nrst"]
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
 def _hf_checkpoint(directory):
     """A tiny Llama checkpoint (vocab 96) with a SentencePiece-style word-level tokenizer (not byte-level), a
     ``<s>`` post-processor and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     from tests.parity.hf_models import build
+    from tests.unit.test_hf_tokenizer import SIMPLE_TEMPLATE, word_level_tokenizer
 
-    specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-    vocab = {t: i for i, t in enumerate(specials + WORDS)}
-    vocab.update({f"<extra{i}>": i for i in range(len(vocab), 96)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                 additional_special_tokens=specials[3:])
-    hf.chat_template = CHAT_TEMPLATE
+    hf = word_level_tokenizer(directory, SIMPLE_TEMPLATE)
     build("llama", directory, seed=4)
-    hf.save_pretrained(directory)
     return hf
 
 

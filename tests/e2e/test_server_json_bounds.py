@@ -30,22 +30,11 @@ from phaseserve.server.chat import tool_calls_of
 from phaseserve.server.jsonbounds import MAX_DEPTH, JsonBoundsError, check_value, loads, too_deep
 from phaseserve.server.launch import start_in_thread
 from phaseserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from tests.e2e.test_server_safety import Tracebacks
 
 MODEL = "stub"
 TOK = ByteTokenizer()
 DEEP = 100_000
-
-
-class Tracebacks(logging.Handler):
-    """Log records that carry an exception (a traceback in the server's log: a handler that failed)."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        if record.exc_info:
-            self.records.append(record)
 
 
 class LogprobStub(StubBackend):

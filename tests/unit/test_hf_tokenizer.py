@@ -34,7 +34,9 @@ CHATS = [[{"role": "system", "content": "a b"}, {"role": "user", "content": "ar 
                                                                                            "content": "b"}]]
 
 
-def _word_level(directory, template: str):
+def word_level_tokenizer(directory, template: str):
+    """A SentencePiece-style word-level tokenizer (vocab 96: ``<s>`` post-processor, ``▁``-words, chat specials)
+    saved with ``template`` in ``directory``; the transformers tokenizer that wrote it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -76,7 +78,7 @@ def _ids(x) -> list[int]:
     return list(x["input_ids"] if hasattr(x, "keys") else x)
 
 
-@pytest.mark.parametrize("make", [_word_level, _byte_bpe], ids=["word-level", "byte-bpe"])
+@pytest.mark.parametrize("make", [word_level_tokenizer, _byte_bpe], ids=["word-level", "byte-bpe"])
 @pytest.mark.parametrize("template", [SIMPLE_TEMPLATE, RICH_TEMPLATE], ids=["simple", "rich"])
 def test_hf_tokenizer_agrees_with_transformers(tmp_path, make, template):
     hf = make(tmp_path, template)
@@ -134,7 +136,7 @@ def test_a_checkpoint_is_served_without_transformers(tmp_path):
     its prompt is transformers' (with and without tools)."""
     from tests.parity.hf_models import build
 
-    hf = _word_level(tmp_path, RICH_TEMPLATE)
+    hf = word_level_tokenizer(tmp_path, RICH_TEMPLATE)
     build("llama", tmp_path, seed=4)
     want = _ids(hf.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True))
     want_tools = _ids(hf.apply_chat_template(CHATS[0], tools=TOOLS, add_generation_prompt=True, tokenize=True))
