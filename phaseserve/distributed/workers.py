@@ -134,19 +134,28 @@ class RemoteWorker:
         current one; a call to an incarnation gone since raises ``PeerDeadError`` without touching the worker)."""
         t0 = time.monotonic() if since is None else since
         incarnation = self.incarnation if incarnation is None else incarnation
-        while not ray.wait([ref], timeout=self.WAIT_SLICE_S)[0]:
-            if incarnation != self.incarnation or self.down:
-                raise PeerDeadError(f"the {self.phase} actor this {what} was sent to is gone")
-            self._watch(what, t0)
-            if peer is not None:
-                try:
-                    peer._watch(what, None)
-                except PeerDeadError:
-                    abandon()
-                    peer = None
-        if incarnation != self.incarnation or self.down:  # its failure is about a pool handled already
+        while True:
+            try:
+                value = ray.get(ref, timeout=self.WAIT_SLICE_S)  # one call when it is done: no ray.wait first
+            except ray.exceptions.GetTimeoutError:
+                self._check_sent_to(incarnation, what)
+                self._watch(what, t0)
+                if peer is not None:
+                    try:
+                        peer._watch(what, None)
+                    except PeerDeadError:
+                        abandon()
+                        peer = None
+                continue
+            except Exception as e:
+                self._check_sent_to(incarnation, what)  # a failure about a pool handled already is not this one's
+                raise self._sorted(e) from None
+            self._check_sent_to(incarnation, what)  # nor a result (a hung incarnation resumed before its kill)
+            return value
+
+    def _check_sent_to(self, incarnation: int, what: str) -> None:
+        if incarnation != self.incarnation or self.down:
             raise PeerDeadError(f"the {self.phase} actor this {what} was sent to is gone")
-        return self.result(ref)
 
     def _watch(self, what: str, since: float | None) -> None:
         """Raise ``PeerDeadError`` if the actor died, or hung: silent for ``call_timeout_s``, or busy in one call
@@ -163,17 +172,15 @@ class RemoteWorker:
             self.kill()
         raise self.lost
 
-    def result(self, ref: Any) -> Any:
-        """``ray.get`` of a finished call, actor death and the actor's typed errors sorted out."""
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as e:
-            raise self._dead(type(e).__name__) from None
-        except ray.exceptions.RayTaskError as e:
+    def _sorted(self, e: Exception) -> Exception:
+        """What a failed call raises here: actor death as ``PeerDeadError`` (the pool marked lost), an error the actor
+        raised as itself."""
+        if isinstance(e, ray.exceptions.RayActorError):
+            return self._dead(type(e).__name__)
+        if isinstance(e, ray.exceptions.RayTaskError):
             cause = e.cause if isinstance(e.cause, Exception) else e
-            if isinstance(cause, PeerDeadError):
-                raise self._dead(str(cause)) from None
-            raise cause from None
+            return self._dead(str(cause)) if isinstance(cause, PeerDeadError) else cause
+        return e
 
     def pool_ok(self) -> bool:
         """False when the actor died, or (asked after a call raised) a failed call consumed its pool."""

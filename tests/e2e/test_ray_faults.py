@@ -428,6 +428,7 @@ def test_a_stopped_decode_actor_is_reported_within_5_s_and_resumes_after_sigcont
     with _stopped(info["pid"]):
         t_503 = _until_status(base, 503, 5.0)
         assert "decode actor is not answering" in _health_text(base)
+        print(f"decode actor stopped: /health 503 after {t_503:.2f} s")
         n = len(chunks)
         time.sleep(1.0)
         assert len(chunks) - n <= len(prompts), "tokens kept coming from a stopped decode actor"
@@ -452,6 +453,7 @@ def test_a_decode_actor_stopped_past_the_call_timeout_is_killed_its_streams_end_
     with _stopped(info["pid"]):
         outcomes = fut.result(timeout=CALL_TIMEOUT_S + 20)  # the streams end once the engine gives the actor up
         waited = time.monotonic() - t0
+    print(f"decode actor stopped: its streams ended after {waited:.2f} s (call_timeout_s {CALL_TIMEOUT_S})")
     assert CALL_TIMEOUT_S - 1.0 <= waited <= CALL_TIMEOUT_S + 6.0, waited
     assert all(isinstance(o, openai.APIError) and "PeerDeadError" in str(o) and "hung" in str(o)
                for o in outcomes), outcomes
@@ -530,9 +532,11 @@ def test_a_prefill_actor_hung_or_killed_mid_transfer_requeues_its_requests_and_t
     # stopped once it armed the handoff (the decode actor's pull hangs on it): given up after call_timeout_s,
     # not left to block the engine
     handled = _prefill_fault_mid_handoff(deployment, engine.prefill, "arm", signal.SIGSTOP, "hung")
+    print(f"prefill actor stopped after arming: given up after {handled:.2f} s")
     assert CALL_TIMEOUT_S - 1.0 <= handled <= CALL_TIMEOUT_S + 4.0, handled
     # killed once the pull was sent (the kill races the bytes): the pull is abandoned at once, not at its deadline
     handled = _prefill_fault_mid_handoff(deployment, engine.decode, "pull_land", signal.SIGKILL, "killed")
+    print(f"prefill actor killed as the pull was sent: handled after {handled:.2f} s")
     assert handled < 5.0, handled  # far below transfer_timeout_s (30 s)
     after = _snapshot(engine, "decode")
     assert after.get("timeouts", 0) == before.get("timeouts", 0)
