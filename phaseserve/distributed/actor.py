@@ -82,7 +82,7 @@ class PhaseActor:
         self.stats = collections.Counter()
         self.incarnation = random.getrandbits(63)  # a restarted actor is a new incarnation with an empty pool
         self._pulling: int | None = None  # the uuid pull_land is waiting for
-        self._abandon: int | None = None  # set (health thread) to that uuid: give the pull up
+        self._abandon: int | None = None  # the uuid the engine asked to give up (set on the health thread)
 
     def call(self, incarnation: int, method: str, *args: Any) -> Any:
         """The engine's one entry point: ``method(*args)`` if the caller's state is about this incarnation (else
@@ -107,11 +107,10 @@ class PhaseActor:
         return self.incarnation
 
     def abandon_pull(self, uuid: int) -> bool:
-        """Give up the pull of ``uuid`` if it is the one in progress (its source died or hung); True if it was."""
-        if self._pulling != uuid:
-            return False
+        """Give up the pull of ``uuid`` (its source died or hung): at once if it is in progress (True), as soon as it
+        starts if it has not (uuids are never reused)."""
         self._abandon = uuid
-        return True
+        return self._pulling == uuid
 
     def kernels(self) -> collections.Counter:
         return self.worker.kernels
@@ -185,9 +184,9 @@ class PhaseActor:
         ``TransferTimeoutError`` if it has not landed within ``timeout_s`` (its buffers are then never written),
         ``TransferError`` if the pulled buffers carry an error or do not fit."""
         t0 = time.monotonic()
-        arrays = self.puller.pull(desc)
-        self._pulling, self._abandon = desc.uuid, None
+        self._pulling = desc.uuid
         try:
+            arrays = self.puller.pull(desc)
             while not all(x.is_ready() for x in arrays):
                 if self._abandon == desc.uuid:
                     self.stats["abandoned"] += 1
