@@ -257,23 +257,18 @@ def verdict(res: dict) -> dict:
 def soak(spec: SoakSpec) -> dict:
     """Deploy, run the loops, check; the raw results with :func:`verdict` under ``"verdict"``."""
     import ray
-    from ray.cluster_utils import Cluster
 
+    from lab.bench.ray_cluster import ray_server_config, two_node_cluster
     from phaseserve.data.tokenizer import ByteTokenizer
     from phaseserve.engine import Engine
     from phaseserve.server import EngineBackend, create_app
     from phaseserve.server.launch import build_backend, compose, start_in_thread
 
     tok = ByteTokenizer()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill": 1},
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"decode": 1})
-    cluster.wait_for_nodes()
+    cluster = two_node_cluster()
     servers = []
     try:
-        cfg = compose(spec.overrides + ["experiment.backend=ray", f"experiment.ray.address={cluster.address}",
-                                        "+experiment.ray.prefill.resources.prefill=1",
-                                        "+experiment.ray.decode.resources.decode=1"])
+        cfg = ray_server_config(cluster, spec.overrides)
         backend = build_backend(cfg)
         engine = backend.engine
         engine.warm_handoff()

@@ -25,6 +25,7 @@ import pytest
 import ray
 
 import phaseserve as ps
+from lab.bench.ray_cluster import ray_server_config, two_node_cluster
 from phaseserve.data.tokenizer import ByteTokenizer
 from phaseserve.distributed.protocol import ForgedDescriptorError, StaleDescriptorError
 from phaseserve.distributed.transfer import DescriptorAuth
@@ -46,15 +47,8 @@ def _serve(backend):
 
 @pytest.fixture(scope="module")
 def deployment():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill": 1},
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"decode": 1})
-    cluster.wait_for_nodes()
-    cfg = compose(OVERRIDES + ["experiment.backend=ray", f"experiment.ray.address={cluster.address}",
-                               "+experiment.ray.prefill.resources.prefill=1",
-                               "+experiment.ray.decode.resources.decode=1"])
+    cluster = two_node_cluster()
+    cfg = ray_server_config(cluster, OVERRIDES)
     backend = build_backend(cfg)
     engine = backend.engine
     engine.warm_handoff()

@@ -37,6 +37,7 @@ import openai
 import pytest
 import ray
 
+from lab.bench.ray_cluster import ray_server_config, two_node_cluster
 from phaseserve.distributed import gate as G
 from phaseserve.distributed.protocol import ForgedDescriptorError, StaleDescriptorError, deployment_secret
 from phaseserve.distributed.transfer import DescriptorAuth
@@ -62,16 +63,8 @@ CALL_TIMEOUT_S = 8.0
 
 @pytest.fixture(scope="module")
 def deployment():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill": 1},
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"decode": 1})
-    cluster.wait_for_nodes()
-    cfg = compose(OVERRIDES + ["experiment.backend=ray", f"experiment.ray.address={cluster.address}",
-                               "+experiment.ray.prefill.resources.prefill=1",
-                               "+experiment.ray.decode.resources.decode=1",
-                               f"+experiment.ray.call_timeout_s={CALL_TIMEOUT_S}"])
+    cluster = two_node_cluster()
+    cfg = ray_server_config(cluster, OVERRIDES + [f"experiment.ray.call_timeout_s={CALL_TIMEOUT_S}"])
     backend = build_backend(cfg)
     engine = backend.engine
     engine.warm_handoff()
