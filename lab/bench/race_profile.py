@@ -35,10 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 import jax
 import numpy as np
-from hydra.core.global_hydra import GlobalHydra
 
 from lab.bench import report as rp
 from lab.bench.http_load import thread_cpu_s
@@ -279,10 +277,7 @@ def run(spec: Any, ckpt: Path, name: str, out_dir: Path, log=print, passes: int 
 
     overrides = [f"model.checkpoint={ckpt}", f"model.name={name}", f"experiment.model_name={name}",
                  *spec.phaseserve_overrides]
-    if GlobalHydra.instance().is_initialized():  # inside the experiment's @hydra.main: the same configs/ directory
-        cfg = hydra.compose(config_name="server", overrides=overrides)
-    else:
-        cfg = compose(overrides)
+    cfg = compose(overrides)
     setup_jax(cfg)
     tok = tokenizer_of(cfg)
     backend = build_backend(cfg)

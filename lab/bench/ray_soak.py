@@ -310,6 +310,11 @@ def report(res: dict) -> str:
              f"greedy text), {v['bad']} bad bodies, {v['garbage_connections']} garbage connections to the actors' "
              f"transfer addresses {', '.join(res['addresses'])}.", "", "| check | result |", "|---|---|"]
     lines += [f"| {k} | {'yes' if ok else 'NO'} |" for k, ok in v["checks"].items()]
+    env = res.get("environment")
+    if env:
+        dirty = f" with {', '.join(env['git_modified'])} modified" if env.get("git_modified") else ""
+        lines += ["", f"Measured {env['date']} on {env['machine']} ({env['cpu_cores']} cores), jax {env['jax']}, "
+                  f"commit {env['git_commit']}{dirty}."]
     lines += ["", "Bad bodies, status codes by kind:", "", "| body | statuses |", "|---|---|"]
     lines += [f"| {k} | {', '.join(f'{s}: {n}' for s, n in sorted(c.items()))} |"
               for k, c in res["loops"]["bad"].items()]

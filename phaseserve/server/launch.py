@@ -35,10 +35,15 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def compose(overrides: list[str] = ()) -> DictConfig:
-    """``configs/server.yaml`` with command-line style ``overrides`` (``experiment.port=8001 quant=f32``)."""
+    """``configs/server.yaml`` with command-line style ``overrides`` (``experiment.port=8001 quant=f32``). Inside a
+    running Hydra app (an experiment's ``@hydra.main`` over ``configs/``) it composes through that app's search
+    path, which is the same directory."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="server", overrides=list(overrides))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose(config_name="server", overrides=list(overrides))
 
