@@ -85,10 +85,10 @@ class NonFiniteLogitsError(RuntimeError):
 
 
 def nonfinite_logits(request_id: str, num_generated: int, where: str = "logits") -> NonFiniteLogitsError:
-    what = ("non-finite logits" if where == "logits" else
-            "non-finite attention output (the scores overflowed, or NaN/inf was read from its pages)")
-    return NonFiniteLogitsError(f"request {request_id!r}: {what} for output token {num_generated} (an overflow in the "
-                                f"model); nothing was emitted for it", where)
+    what = ("non-finite logits (an overflow in the model)" if where == "logits" else
+            "non-finite attention output (its scores overflowed, or it read NaN/inf from its pages)")
+    return NonFiniteLogitsError(f"request {request_id!r}: {what} for output token {num_generated}; nothing was "
+                                f"emitted for it", where)
 
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's top_logprobs bound)
