@@ -47,8 +47,14 @@ def _serve(backend):
 
 @pytest.fixture(scope="module")
 def deployment():
+    yield from serve_on_two_nodes()
+
+
+def serve_on_two_nodes(extra: list[str] = ()):
+    """The module deployment (a generator for a module fixture): the Ray-backed server on two nodes and the
+    in-process reference server, with ``extra`` overrides for the Ray one; torn down after its yield."""
     cluster = two_node_cluster()
-    cfg = ray_server_config(cluster, OVERRIDES)
+    cfg = ray_server_config(cluster, OVERRIDES + list(extra))
     backend = build_backend(cfg)
     engine = backend.engine
     engine.warm_handoff()

@@ -37,25 +37,20 @@ import openai
 import pytest
 import ray
 
-from lab.bench.ray_cluster import ray_server_config, two_node_cluster
 from phaseserve.distributed import gate as G
 from phaseserve.distributed.protocol import ForgedDescriptorError, StaleDescriptorError, deployment_secret
 from phaseserve.distributed.transfer import DescriptorAuth
-from phaseserve.engine import Engine
-from phaseserve.server import EngineBackend
-from phaseserve.server.launch import build_backend, compose
 from tests.e2e.test_ray import (
     MODEL,
-    OVERRIDES,
     TOK,
     _client,
     _health,
     _in_loop,
     _no_leaks,
-    _serve,
     _stream,
     _texts,
     _until,
+    serve_on_two_nodes,
 )
 
 CALL_TIMEOUT_S = 8.0
@@ -63,21 +58,7 @@ CALL_TIMEOUT_S = 8.0
 
 @pytest.fixture(scope="module")
 def deployment():
-    cluster = two_node_cluster()
-    cfg = ray_server_config(cluster, OVERRIDES + [f"experiment.ray.call_timeout_s={CALL_TIMEOUT_S}"])
-    backend = build_backend(cfg)
-    engine = backend.engine
-    engine.warm_handoff()
-    app, srv, thread, base = _serve(backend)
-    ref = Engine.from_hydra(compose(OVERRIDES))
-    ref_app, ref_srv, ref_thread, ref_base = _serve(EngineBackend(ref))
-    yield {"engine": engine, "cluster": cluster, "base": base, "ref_base": ref_base, "app": app, "ref_app": ref_app}
-    for s, t in ((srv, thread), (ref_srv, ref_thread)):
-        s.should_exit = True
-        t.join(30)
-    engine.close()
-    ray.shutdown()
-    cluster.shutdown()
+    yield from serve_on_two_nodes([f"experiment.ray.call_timeout_s={CALL_TIMEOUT_S}"])
 
 
 def _info(engine, phase: str) -> dict:
