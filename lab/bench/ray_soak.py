@@ -266,7 +266,7 @@ def soak(spec: SoakSpec) -> dict:
 
     tok = ByteTokenizer()
     cluster = two_node_cluster()
-    servers = []
+    servers, engine = [], None
     try:
         cfg = ray_server_config(cluster, spec.overrides)
         backend = build_backend(cfg)
@@ -291,10 +291,8 @@ def soak(spec: SoakSpec) -> dict:
         for s, t in servers:
             s.should_exit = True
             t.join(30)
-        try:
+        if engine is not None:
             engine.close()
-        except NameError:
-            pass
         ray.shutdown()
         cluster.shutdown()
     res = {"spec": asdict(spec), "wall_s": wall, "addresses": addresses, "loops": loops, "idle": idle,

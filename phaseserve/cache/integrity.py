@@ -188,8 +188,11 @@ class IntegrityTracker:
         if not bad:
             return {}
         dev = np.asarray(self.tags)
-        return {request_ids[i]: KVIntegrityError(request_ids[i], *reversed(self._explain(i, dev, batch)))
-                for i in bad}
+        out = {}
+        for i in bad:
+            kind, details = self._explain(i, dev, batch)
+            out[request_ids[i]] = KVIntegrityError(request_ids[i], details, kind)
+        return out
 
     def _explain(self, row: int, dev: np.ndarray, batch) -> tuple[str, str]:
         if batch is None:

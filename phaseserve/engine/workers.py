@@ -102,10 +102,12 @@ def pages_to_scrub(tables: PageTables, page_size: int, rows: list[Sequence], nxt
     since it may have read them; the page of this step's token of a row whose logits were, and with ``ahead`` -- a
     next step launched before these tokens were read -- the page of its position too), to be zeroed before anyone
     releases them."""
-    scrub = [p for s, tok in zip(rows, nxt, strict=False) if tok == NONFINITE_ATTENTION for p in tables.owned(s.id)]
-    # a row that overflowed wrote NaN only into the page of this step's token (never a shared prompt page)
+    scrub = []
     for s, tok in zip(rows, nxt, strict=False):
-        if tok == NONFINITE_TOKEN:
+        if tok == NONFINITE_ATTENTION:
+            scrub += tables.owned(s.id)
+        elif tok == NONFINITE_TOKEN:
+            # it wrote NaN only into the page of this step's token (never a shared prompt page)
             owned = tables.owned(s.id)
             scrub += [owned[q // page_size] for q in range(s.next_position, s.next_position + 1 + ahead)
                       if q // page_size < len(owned)]
